@@ -1,0 +1,20 @@
+"""Library-wide switches, as a torch config module (``config.patch(...)`` works).
+
+``collectives_path``: which implementation of the foreach collectives runs.
+    ``"auto"`` takes the traced path (functional collectives) while Dynamo or
+    compiled autograd is tracing and the eager path (c10d, async work) otherwise;
+    ``"traced"`` and ``"eager"`` force one path (the eager path cannot be traced).
+``copy_kernels``: who implements the copy-in / copy-out ops in eager on GPU.
+    ``"inductor"`` (default) runs the aten decomposition (fused by Inductor under
+    compile); ``"foreach"`` uses ``torch._foreach_copy_``-style kernels; ``"triton"``
+    the fused kernels from ``triton_kernels``.
+"""
+
+import sys
+
+from torch.utils._config_module import install_config_module
+
+collectives_path: str = "auto"
+copy_kernels: str = "inductor"
+
+install_config_module(sys.modules[__name__])

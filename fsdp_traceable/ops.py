@@ -1,0 +1,173 @@
+"""The copy ops around FSDP's collectives, as functional ``torch.ops.fsdp_traceable`` ops.
+
+Every op takes tensors in and returns freshly allocated tensors: no ``out=`` buffers,
+no outputs aliasing inputs. Each is defined with ``Library.define`` and a
+``CompositeImplicitAutograd`` implementation written in plain aten ops, so
+
+* eager runs the aten ops directly (one dispatcher hop, no Python op overhead on top),
+* FakeTensor / Meta propagation runs the same decomposition (that is the fake impl),
+* under ``torch.compile`` AOTAutograd decomposes the op and Inductor fuses the whole
+  copy into a single kernel per bucket, while Dynamo-level graph dumps still show
+  the op by name.
+
+Per-parameter sizes travel as flat int lists (``sizes_flat`` + ``ndims``) because
+schemas have no nested lists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+_lib = torch.library.Library("fsdp_traceable", "DEF")
+
+_lib.define(
+    "all_gather_copy_in(Tensor[] shards, SymInt[] padded_numels, ScalarType dtype) -> Tensor"
+)
+_lib.define(
+    "all_gather_copy_out(Tensor all_gather_output, int world_size, SymInt[] global_sizes_flat, "
+    "int[] ndims, int[] shard_dims, ScalarType[] dtypes) -> Tensor[]"
+)
+_lib.define(
+    "reduce_scatter_copy_in(Tensor[] grads, int world_size, int[] shard_dims, "
+    "ScalarType reduce_dtype, float? predivide_factor) -> Tensor"
+)
+_lib.define(
+    "reduce_scatter_view_out(Tensor reduce_output, SymInt[] sharded_sizes_flat, int[] ndims, "
+    "SymInt[] padded_sharded_numels, ScalarType orig_dtype, float? postdivide_factor) -> Tensor[]"
+)
+
+
+def unflatten_sizes(sizes_flat: Sequence[int], ndims: Sequence[int]) -> list[list[int]]:
+    """Splits ``sizes_flat`` back into one size list per tensor (``ndims[i]`` entries each)."""
+    sizes, offset = [], 0
+    for ndim in ndims:
+        sizes.append(list(sizes_flat[offset : offset + ndim]))
+        offset += ndim
+    return sizes
+
+
+def flatten_sizes(sizes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """The inverse of :func:`unflatten_sizes`."""
+    return [s for size in sizes for s in size], [len(size) for size in sizes]
+
+
+def padded_sharded_size(global_size: Sequence[int], shard_dim: int, world_size: int) -> list[int]:
+    """One rank's padded shard: ``ceil(size(shard_dim) / world_size)`` along ``shard_dim``."""
+    size = list(global_size)
+    size[shard_dim] = -(-size[shard_dim] // world_size)
+    return size
+
+
+@torch.library.impl(_lib, "all_gather_copy_in", "CompositeImplicitAutograd")
+def _all_gather_copy_in(
+    shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Packs this rank's shards into one flat all-gather input of ``dtype``.
+
+    Each shard is flattened, cast to ``dtype`` (or, when ``dtype`` is ``uint8`` for a
+    bucket of mixed dtypes, reinterpreted as bytes) and zero-padded to
+    ``padded_numels[i]`` elements of its own dtype.
+    """
+    pieces = []
+    for shard, padded_numel in zip(shards, padded_numels):
+        flat = shard.reshape(-1)
+        if dtype == torch.uint8 and shard.dtype != torch.uint8:
+            padded_numel = padded_numel * shard.element_size()
+            flat = flat.view(torch.uint8)
+        else:
+            flat = flat.to(dtype)
+        pad = padded_numel - flat.numel()
+        pieces.append(torch.constant_pad_nd(flat, [0, pad], 0) if pad else flat)
+    return torch.cat(pieces)
+
+
+@torch.library.impl(_lib, "all_gather_copy_out", "CompositeImplicitAutograd")
+def _all_gather_copy_out(
+    all_gather_output: torch.Tensor,
+    world_size: int,
+    global_sizes_flat: list[int],
+    ndims: list[int],
+    shard_dims: list[int],
+    dtypes: list[torch.dtype],
+) -> list[torch.Tensor]:
+    """Unpacks the ``[world_size * numel]`` all-gather output into unsharded tensors.
+
+    ``Shard(0)`` parameters are the rank chunks stacked with the dim-0 padding
+    stripped; ``Shard(d > 0)`` parameters are the rank chunks concatenated along
+    ``d``. A ``uint8`` output carries a mixed-dtype bucket as bytes.
+    """
+    global_sizes = unflatten_sizes(global_sizes_flat, ndims)
+    as_bytes = all_gather_output.dtype == torch.uint8
+    padded_sizes = [
+        padded_sharded_size(size, dim, world_size) for size, dim in zip(global_sizes, shard_dims)
+    ]
+    split_sizes = [
+        math.prod(size) * (dtype.itemsize if as_bytes else 1)
+        for size, dtype in zip(padded_sizes, dtypes)
+    ]
+    chunks = all_gather_output.view(world_size, -1).split(split_sizes, dim=1)
+    outputs = []
+    for chunk, global_size, padded_size, shard_dim, dtype in zip(
+        chunks, global_sizes, padded_sizes, shard_dims, dtypes
+    ):
+        gathered = chunk.contiguous()
+        if as_bytes and dtype != torch.uint8:
+            gathered = gathered.view(dtype)
+        if shard_dim == 0:
+            numel = math.prod(global_size)
+            outputs.append(gathered.view(-1)[:numel].view(global_size))
+        else:
+            stacked = gathered.view([world_size] + padded_size)
+            outputs.append(stacked.movedim(0, shard_dim).reshape(global_size))
+    return outputs
+
+
+@torch.library.impl(_lib, "reduce_scatter_copy_in", "CompositeImplicitAutograd")
+def _reduce_scatter_copy_in(
+    grads: list[torch.Tensor],
+    world_size: int,
+    shard_dims: list[int],
+    reduce_dtype: torch.dtype,
+    predivide_factor: float | None,
+) -> torch.Tensor:
+    """Lays unsharded gradients out as the flat reduce-scatter input.
+
+    Rank ``r``'s contiguous slice holds, per parameter, rank ``r``'s (dim-0 padded)
+    chunk. ``Shard(d > 0)`` gradients have their ``d``-chunks moved to dim 0 first.
+    The cast to ``reduce_dtype`` and the pre-divide are fused into the copy.
+    """
+    dim0_grads = [
+        grad if shard_dim == 0 else torch.cat(torch.chunk(grad, world_size, dim=shard_dim))
+        for grad, shard_dim in zip(grads, shard_dims)
+    ]
+    packed = torch._chunk_cat(dim0_grads, 0, world_size).to(reduce_dtype)
+    if predivide_factor is not None:
+        packed = packed.div(predivide_factor)
+    return packed.view(-1)
+
+
+@torch.library.impl(_lib, "reduce_scatter_view_out", "CompositeImplicitAutograd")
+def _reduce_scatter_view_out(
+    reduce_output: torch.Tensor,
+    sharded_sizes_flat: list[int],
+    ndims: list[int],
+    padded_sharded_numels: list[int],
+    orig_dtype: torch.dtype,
+    postdivide_factor: float | None,
+) -> list[torch.Tensor]:
+    """Splits the flat reduce-scatter output into contiguous sharded gradients.
+
+    The post-divide (in the reduce dtype) and the cast back to ``orig_dtype`` are
+    fused into the per-parameter copy, so every output is a fresh tensor.
+    """
+    outputs = []
+    pieces = reduce_output.split(padded_sharded_numels)
+    for piece, size in zip(pieces, unflatten_sizes(sharded_sizes_flat, ndims)):
+        grad = piece[: math.prod(size)].view(size)
+        if postdivide_factor is not None:
+            grad = grad.div(postdivide_factor)
+        outputs.append(grad.to(orig_dtype, copy=grad.dtype == orig_dtype and postdivide_factor is None))
+    return outputs

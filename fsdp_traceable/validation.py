@@ -1,0 +1,97 @@
+"""Input checks for the foreach collectives, raised before any collective starts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .divide_factors import SUPPORTED_REDUCE_OPS
+from .shard_info import SUPPORTED_DTYPES, ShardInfo
+
+_REDUCE_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
+
+
+def check_bucket(
+    tensors: Sequence[torch.Tensor],
+    infos: Sequence[ShardInfo],
+    group: dist.ProcessGroup | None,
+    *,
+    tensors_name: str,
+    expect: str,
+) -> None:
+    """Checks one bucket: non-empty, one info per tensor, sizes, dtypes, one device, group.
+
+    ``expect`` is ``"sharded"`` (tensors have ``info.sharded_size``) or
+    ``"unsharded"`` (``info.global_size``).
+    """
+    if not isinstance(tensors, (list, tuple)) or not all(
+        isinstance(t, torch.Tensor) for t in tensors
+    ):
+        raise TypeError(f"{tensors_name} must be a list of tensors, got {type(tensors).__name__}")
+    if not isinstance(infos, (list, tuple)) or not all(isinstance(i, ShardInfo) for i in infos):
+        raise TypeError("infos must be a list of ShardInfo (see fsdp_traceable.make_shard_info)")
+    if not tensors:
+        raise ValueError(f"{tensors_name} is empty: pass at least one tensor per bucket")
+    if len(tensors) != len(infos):
+        raise ValueError(
+            f"{tensors_name} has {len(tensors)} tensors but infos has {len(infos)}: "
+            "pass one ShardInfo per tensor, in the same order"
+        )
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(
+            f"{tensors_name} are on several devices {sorted(map(str, devices))}: "
+            "move every tensor of a bucket to one device"
+        )
+    for i, (tensor, info) in enumerate(zip(tensors, infos)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{tensors_name}[{i}] has dtype {tensor.dtype}; FSDP communicates "
+                f"floating tensors of dtype {', '.join(map(str, SUPPORTED_DTYPES))}"
+            )
+        want = info.sharded_size if expect == "sharded" else info.global_size
+        if tensor.shape != want:
+            raise ValueError(
+                f"{tensors_name}[{i}] has size {tuple(tensor.shape)} but its ShardInfo "
+                f"expects the {expect} size {tuple(want)}"
+            )
+    world_sizes = {info.world_size for info in infos}
+    ranks = {info.rank for info in infos}
+    if len(world_sizes) != 1 or len(ranks) != 1:
+        raise ValueError(
+            "infos mix world sizes or ranks; build every ShardInfo of a bucket for one group"
+        )
+    if group is not None:
+        group_size, group_rank = group.size(), group.rank()
+        if (group_size, group_rank) != (infos[0].world_size, infos[0].rank):
+            raise ValueError(
+                f"infos were built for world_size={infos[0].world_size}, rank={infos[0].rank} "
+                f"but the group has size {group_size} and this rank is {group_rank}: "
+                "build the infos from the group you communicate over"
+            )
+
+
+def check_uniform(values: Sequence[object], what: str, fix: str) -> object:
+    """Returns the single value of ``values`` or raises a ``ValueError`` naming ``what``."""
+    distinct = sorted(set(map(str, values)))
+    if len(distinct) != 1:
+        raise ValueError(f"{what} must be uniform across the bucket, got {distinct}: {fix}")
+    return values[0]
+
+
+def normalize_reduce_op(reduce_op: object, group: dist.ProcessGroup | None) -> str:
+    """Returns the functional-collective name of ``reduce_op`` if every backend has it."""
+    if isinstance(reduce_op, str) and reduce_op.lower() in SUPPORTED_REDUCE_OPS:
+        return reduce_op.lower()
+    if isinstance(reduce_op, dist.ReduceOp.RedOpType) and reduce_op in _REDUCE_OP_NAMES:
+        return _REDUCE_OP_NAMES[reduce_op]
+    try:
+        backend = f" on the {dist.get_backend(group)} backend" if group is not None else ""
+    except (RuntimeError, ValueError):
+        backend = ""
+    raise ValueError(
+        f"reduce_op={reduce_op!r} is not supported for gradient reduction{backend}: use 'sum' or 'avg' "
+        "(or ReduceOp.SUM / ReduceOp.AVG), and gradient_divide_factor for other scalings"
+    )
