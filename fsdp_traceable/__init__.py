@@ -23,3 +23,9 @@ __all__ = [
     "make_shard_info",
     "shard_tensor",
 ]
+
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
+
+from .fully_shard import FSDPModule, fully_shard  # noqa: E402
+
+__all__ += ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]

@@ -119,6 +119,10 @@ def make_shard_info(
                 f"shard it on dim 0 instead (shard_placement_fn returning Shard(0))"
             )
         rows_per_rank = local_rows = dim_size // world_size
+    if math.prod(global_size) == 0:
+        # FSDP2 gives every empty shard 0 rows along the shard dim, even when the
+        # parameter's zero is in another dim (its _get_dim_chunked_size).
+        local_rows = 0
     sharded_size = _with_dim(global_size, shard_dim, local_rows)
     padded_sharded_size = _with_dim(global_size, shard_dim, rows_per_rank)
     return ShardInfo(
@@ -141,7 +145,8 @@ def _with_dim(size: torch.Size, dim: int, value: int) -> torch.Size:
 
 
 def shard_tensor(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
-    """This rank's shard of ``full`` under ``info``, contiguous (reference slicing)."""
+    """This rank's shard of ``full`` under ``info``: a fresh contiguous tensor."""
     rows = info.padded_sharded_size[info.shard_dim]
     start = min(info.rank * rows, full.size(info.shard_dim))
-    return full.narrow(info.shard_dim, start, info.sharded_size[info.shard_dim]).contiguous()
+    local = full.narrow(info.shard_dim, start, info.sharded_size[info.shard_dim])
+    return local.clone(memory_format=torch.contiguous_format)

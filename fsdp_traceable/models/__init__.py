@@ -1,0 +1,3 @@
+from .transformer import Transformer, TransformerConfig
+
+__all__ = ["Transformer", "TransformerConfig"]

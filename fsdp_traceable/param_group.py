@@ -1,0 +1,187 @@
+"""One ``fully_shard`` call's parameters: sharding, unsharding and gradient reduction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import comm, saved_unsharded
+from .collectives import (
+    AllGatherResult,
+    foreach_all_gather,
+    foreach_all_gather_copy_out,
+    foreach_reduce,
+)
+from .shard_info import ShardInfo, make_shard_info, shard_tensor
+
+
+class ParamGroup:
+    """The sharded parameters of one ``fully_shard``-ed module and their collectives.
+
+    Holds plain data read on every step (infos, process groups, flags) and, in
+    eager mode only, the in-flight prefetch and the parameters re-gathered for
+    backward.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        mesh: DeviceMesh,
+        *,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+        shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    ) -> None:
+        self.mesh = mesh
+        self.is_hsdp = mesh.ndim == 2
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if self.is_hsdp else None
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.mp_policy = mp_policy
+        self.fqns = [fqn for fqn, _ in named_params]
+        self.infos: list[ShardInfo] = []
+        self.sharded_params: list[nn.Parameter] = []
+        world_size = self.shard_group.size()
+        rank = mesh.get_local_rank(mesh.ndim - 1)
+        for fqn, param in named_params:
+            shard_dim = _shard_dim(fqn, param, shard_placement_fn)
+            try:
+                info = make_shard_info(
+                    param.shape, world_size, rank, shard_dim=shard_dim,
+                    orig_dtype=param.dtype, param_dtype=mp_policy.param_dtype,
+                    reduce_dtype=mp_policy.reduce_dtype,
+                )
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"parameter {fqn!r}: {err}") from None
+            local = shard_tensor(param.detach().to(mesh.device_type), info)
+            placements = (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)
+            dtensor = DTensor.from_local(
+                local, mesh, placements, run_check=False,
+                shape=param.shape, stride=param.stride(),
+            )
+            self.infos.append(info)
+            self.sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
+        self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
+        # Eager-only state.
+        self._prefetched: AllGatherResult | None = None
+        self._prefetched_versions: list[int] = []
+        self._unsharded_for_backward: list[torch.Tensor] | None = None
+        self._accumulated_unsharded_grads: list[torch.Tensor] | None = None
+        self.prefetch_backward: Callable[[], None] | None = None
+
+    # -- forward -----------------------------------------------------------------
+
+    def start_all_gather(self) -> AllGatherResult:
+        locals_ = [p._local_tensor for p in self.sharded_params]
+        return foreach_all_gather(locals_, self.infos, self.shard_group, streams=self.streams)
+
+    def prefetch(self) -> None:
+        """Eager: issues this group's all-gather now, to overlap the compute before it."""
+        if self._prefetched is None and self._unsharded_for_backward is None:
+            self._prefetched = self.start_all_gather()
+            self._prefetched_versions = self._local_versions()
+
+    def _take_prefetched(self) -> AllGatherResult | None:
+        """The prefetched all-gather, unless a parameter changed since it was issued."""
+        result, self._prefetched = self._prefetched, None
+        if result is not None and self._prefetched_versions != self._local_versions():
+            foreach_all_gather_copy_out(result)  # complete the collective every rank joined
+            result = None
+        return result
+
+    def _local_versions(self) -> list[int]:
+        return [p._local_tensor._version for p in self.sharded_params]
+
+    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight."""
+        if comm.use_traced_path():
+            result = foreach_all_gather(list(sharded_locals), self.infos, self.shard_group)
+            return foreach_all_gather_copy_out(result)
+        if self._unsharded_for_backward is not None and not self.reshard_after_backward:
+            return self._unsharded_for_backward
+        result = self._take_prefetched()
+        if result is None:
+            result = foreach_all_gather(
+                list(sharded_locals), self.infos, self.shard_group, streams=self.streams
+            )
+        return foreach_all_gather_copy_out(result)
+
+    # -- backward ----------------------------------------------------------------
+
+    def unsharded_for_backward(self) -> list[torch.Tensor]:
+        """Eager: the parameters re-gathered once for this group's backward."""
+        if self._unsharded_for_backward is None:
+            result = self._take_prefetched()
+            if result is None:
+                result = self.start_all_gather()
+            if self.prefetch_backward is not None:
+                self.prefetch_backward()
+            self._unsharded_for_backward = foreach_all_gather_copy_out(result)
+        return self._unsharded_for_backward
+
+    def reduce_grads(
+        self, unsharded_grads: tuple[torch.Tensor | None, ...]
+    ) -> list[torch.Tensor | None]:
+        """Reduce-scatters the trainable parameters' gradients into sharded gradients."""
+        if self.reshard_after_backward:
+            self._unsharded_for_backward = None
+        trainable = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
+        sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
+        if not trainable:
+            return sharded_grads
+        grads = [self._reduce_dtype_grad(i, unsharded_grads[i]) for i in trainable]
+        if self._accumulated_unsharded_grads is not None:
+            grads = [g + acc for g, acc in zip(grads, self._accumulated_unsharded_grads)]
+            self._accumulated_unsharded_grads = None
+        if not self.requires_gradient_sync:
+            if comm.use_traced_path():
+                raise NotImplementedError(
+                    "set_requires_gradient_sync(False) keeps unsharded gradients across "
+                    "backward calls, which a compiled backward cannot hold; accumulate "
+                    "with gradient sync on, or run the no-sync microbatches eagerly"
+                )
+            self._accumulated_unsharded_grads = grads
+            return sharded_grads
+        result = foreach_reduce(
+            grads, [self.infos[i] for i in trainable], self.shard_group,
+            all_reduce_group=self.replicate_group,
+        )
+        for i, grad in zip(trainable, result.sharded_grads):
+            sharded_grads[i] = grad
+        return sharded_grads
+
+    def _reduce_dtype_grad(self, index: int, grad: torch.Tensor | None) -> torch.Tensor:
+        info = self.infos[index]
+        if grad is None:
+            return torch.zeros(info.global_size, dtype=info.param_dtype,
+                               device=self.mesh.device_type)
+        # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
+        if self._accumulated_unsharded_grads is not None or not self.requires_gradient_sync:
+            return grad.to(info.reduce_dtype)
+        return grad
+
+
+def _shard_dim(
+    fqn: str,
+    param: nn.Parameter,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> int:
+    if shard_placement_fn is None:
+        return 0
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(
+            f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+            "return a torch.distributed.tensor.Shard(dim) or None (for Shard(0))"
+        )
+    return placement.dim
+
