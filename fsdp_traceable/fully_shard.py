@@ -24,8 +24,7 @@ class FSDPModule:
     """Mixin added to every module passed to :func:`fully_shard`."""
 
     _fsdp_group: ParamGroup
-    _fsdp_children: list[ParamGroup]
-    _fsdp_is_root: bool | None
+    _fsdp_next_groups: list[ParamGroup]
 
     def unshard(self) -> None:
         """All-gathers this module's parameters now and keeps them until :meth:`reshard`."""
@@ -67,8 +66,6 @@ class FSDPModule:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
-        if self._fsdp_is_root is None:
-            _lazy_init_root(self)
         policy = group.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
@@ -170,8 +167,7 @@ def fully_shard(
             _swap_class(owner, _owner_class(type(owner), tuple(names)))
     _swap_class(module, _fsdp_class(type(module), tuple(owner_names.get(id(module), (None, []))[1])))
     module._fsdp_group = group
-    module._fsdp_is_root = None
-    module._fsdp_next_groups = []
+    _link_groups(module)
     return module
 
 
@@ -261,17 +257,19 @@ def _groups(module: FSDPModule, recurse: bool) -> list[ParamGroup]:
     return [m._fsdp_group for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def _lazy_init_root(root: FSDPModule) -> None:
-    """First forward: the module called first is the root; it never reshards after forward.
+def _link_groups(root: FSDPModule) -> None:
+    """Makes ``root`` (the latest ``fully_shard`` call, applied bottom-up) the root.
 
+    The root group never reshards after forward: its backward starts right after.
     The groups' module order (pre-order, i.e. forward order for the usual
     blocks-in-sequence models) drives the eager prefetch: each group's forward
-    prefetches the next group, each group's backward the previous one.
+    prefetches the next group, each group's backward the previous one. Doing this
+    at ``fully_shard`` time, not lazily in the first forward, keeps the compiled
+    forward free of first-call branches (and their recompile).
     """
     fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
-        m._fsdp_is_root = m is root
-    root._fsdp_group.reshard_after_forward = False
+        m._fsdp_group.is_root = m is root
     groups = [m._fsdp_group for m in fsdp_modules]
     for i, m in enumerate(fsdp_modules):
         m._fsdp_next_groups = groups[i + 1 : i + 2]

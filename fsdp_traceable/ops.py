@@ -71,16 +71,21 @@ def _all_gather_copy_in(
     bucket of mixed dtypes, reinterpreted as bytes) and zero-padded to
     ``padded_numels[i]`` elements of its own dtype.
     """
+    # Eager cost is per-op dispatch for small shards: no-op casts are skipped, and the
+    # padding is a zero piece of its own in the one cat (constant_pad_nd would copy
+    # the shard an extra time). Inductor fuses the cat, zeros included, into one kernel.
     pieces = []
     for shard, padded_numel in zip(shards, padded_numels):
         flat = shard.reshape(-1)
         if dtype == torch.uint8 and shard.dtype != torch.uint8:
             padded_numel = padded_numel * shard.element_size()
             flat = flat.view(torch.uint8)
-        else:
+        elif flat.dtype != dtype:
             flat = flat.to(dtype)
+        pieces.append(flat)
         pad = padded_numel - flat.numel()
-        pieces.append(torch.constant_pad_nd(flat, [0, pad], 0) if pad else flat)
+        if pad:
+            pieces.append(flat.new_zeros(pad))
     return torch.cat(pieces)
 
 
@@ -113,15 +118,25 @@ def _all_gather_copy_out(
     for chunk, global_size, padded_size, shard_dim, dtype in zip(
         chunks, global_sizes, padded_sizes, shard_dims, dtypes
     ):
-        gathered = chunk.contiguous()
+        # One copy per parameter (two for Shard(d > 0) in a byte bucket), always a
+        # clone: .contiguous() returns an already contiguous chunk itself (one rank, one
+        # parameter) and the output would alias the op's input. Few view ops around
+        # it: in eager each costs about as much as a small parameter's copy.
+        stacked_size = [world_size] + padded_size
         if as_bytes and dtype != torch.uint8:
-            gathered = gathered.view(dtype)
-        if shard_dim == 0:
-            numel = math.prod(global_size)
-            outputs.append(gathered.view(-1)[:numel].view(global_size))
+            # Flat first: a (world, 0) chunk's strides reject a dtype view.
+            fresh = chunk.clone(memory_format=torch.contiguous_format).view(-1).view(dtype)
+            stacked = fresh.view(stacked_size)
+        elif shard_dim == 0:
+            stacked = chunk.clone(memory_format=torch.contiguous_format)
         else:
-            stacked = gathered.view([world_size] + padded_size)
-            outputs.append(stacked.movedim(0, shard_dim).reshape(global_size))
+            stacked = chunk.view(stacked_size)  # still a view of the input: copied below
+        if shard_dim == 0:
+            rows = stacked.view([world_size * padded_size[0]] + padded_size[1:])
+            outputs.append(rows if rows.size(0) == global_size[0] else rows[: global_size[0]])
+        else:
+            moved = stacked.movedim(0, shard_dim)
+            outputs.append(moved.clone(memory_format=torch.contiguous_format).view(global_size))
     return outputs
 
 
@@ -139,10 +154,14 @@ def _reduce_scatter_copy_in(
     chunk. ``Shard(d > 0)`` gradients have their ``d``-chunks moved to dim 0 first.
     The cast to ``reduce_dtype`` and the pre-divide are fused into the copy.
     """
+    # Empty gradients hold no elements on any rank, and _chunk_cat rejects them.
     dim0_grads = [
         grad if shard_dim == 0 else torch.cat(torch.chunk(grad, world_size, dim=shard_dim))
         for grad, shard_dim in zip(grads, shard_dims)
+        if grad.numel() > 0
     ]
+    if not dim0_grads:
+        return grads[0].new_zeros(0, dtype=reduce_dtype)
     packed = torch._chunk_cat(dim0_grads, 0, world_size).to(reduce_dtype)
     if predivide_factor is not None:
         packed = packed.div(predivide_factor)

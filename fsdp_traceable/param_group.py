@@ -41,7 +41,8 @@ class ParamGroup:
         self.is_hsdp = mesh.ndim == 2
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if self.is_hsdp else None
-        self.reshard_after_forward = reshard_after_forward
+        self.is_root = False
+        self._reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.mp_policy = mp_policy
@@ -75,6 +76,15 @@ class ParamGroup:
         self._unsharded_for_backward: list[torch.Tensor] | None = None
         self._accumulated_unsharded_grads: list[torch.Tensor] | None = None
         self.prefetch_backward: Callable[[], None] | None = None
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether backward re-gathers the parameters (never for the root group)."""
+        return self._reshard_after_forward and not self.is_root
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self._reshard_after_forward = value
 
     # -- forward -----------------------------------------------------------------
 
