@@ -21,7 +21,7 @@ from . import comm
 from .divide_factors import gradient_divide_schedule
 from .ops import flatten_sizes
 from .shard_info import ShardInfo
-from .validation import check_bucket, check_uniform, normalize_reduce_op
+from .validation import check_bucket, check_reduce_state, check_uniform, normalize_reduce_op
 
 __all__ = [
     "AllGatherResult",
@@ -85,9 +85,11 @@ def foreach_all_gather(
     traced = comm.use_traced_path()
     use_streams = streams is not None and not traced
     with streams.copy_in_context() if use_streams else contextlib.nullcontext():
-        flat_input = torch.ops.fsdp_traceable.all_gather_copy_in(
-            list(sharded_tensors), padded_numels, dtype
-        )
+        inputs = list(sharded_tensors)
+        if dtype == torch.uint8:
+            # The byte path reinterprets each shard as it is: cast to its param_dtype first.
+            inputs = [t.to(i.param_dtype) for t, i in zip(inputs, infos)]
+        flat_input = torch.ops.fsdp_traceable.all_gather_copy_in(inputs, padded_numels, dtype)
         pending = comm.all_gather(flat_input, group)
     return AllGatherResult(pending, tuple(infos), None if traced else streams)
 
@@ -168,11 +170,11 @@ def foreach_reduce(
                                  "build every ShardInfo of a bucket with one reduce_dtype")
     orig_dtype = check_uniform([i.orig_dtype for i in infos], "orig_dtype",
                                "bucket parameters of one dtype together")
-    if accumulate_into is not None and len(accumulate_into) != len(infos):
-        raise ValueError(
-            f"accumulate_into has {len(accumulate_into)} parameters for {len(infos)} "
-            "gradients: pass one sharded parameter per gradient"
-        )
+    check_reduce_state(
+        infos, reduce_dtype, has_all_reduce_group=all_reduce_group is not None,
+        all_reduce_grads=all_reduce_grads, partial_reduce_output=partial_reduce_output,
+        accumulate_into=accumulate_into,
+    )
     all_reduce_size = 1
     if all_reduce_group is not None:
         all_reduce_size = all_reduce_group.size()

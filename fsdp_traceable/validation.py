@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .divide_factors import SUPPORTED_REDUCE_OPS
 from .shard_info import SUPPORTED_DTYPES, ShardInfo
@@ -95,3 +96,53 @@ def normalize_reduce_op(reduce_op: object, group: dist.ProcessGroup | None) -> s
         f"reduce_op={reduce_op!r} is not supported for gradient reduction{backend}: use 'sum' or 'avg' "
         "(or ReduceOp.SUM / ReduceOp.AVG), and gradient_divide_factor for other scalings"
     )
+
+
+def check_reduce_state(
+    infos: Sequence[ShardInfo],
+    reduce_dtype: torch.dtype,
+    *,
+    has_all_reduce_group: bool,
+    all_reduce_grads: bool,
+    partial_reduce_output: torch.Tensor | None,
+    accumulate_into: Sequence[torch.Tensor] | None,
+) -> None:
+    """Checks ``foreach_reduce``'s optional state arguments against the bucket."""
+    if not all_reduce_grads and not has_all_reduce_group:
+        raise ValueError(
+            "all_reduce_grads=False skips the HSDP all-reduce, but no all_reduce_group "
+            "was given: pass the replicate group, or leave all_reduce_grads=True"
+        )
+    if partial_reduce_output is not None:
+        numel = sum(info.padded_sharded_numel for info in infos)
+        if (
+            not isinstance(partial_reduce_output, torch.Tensor)
+            or partial_reduce_output.shape != (numel,)
+            or partial_reduce_output.dtype != reduce_dtype
+        ):
+            got = (
+                f"{tuple(partial_reduce_output.shape)} {partial_reduce_output.dtype}"
+                if isinstance(partial_reduce_output, torch.Tensor)
+                else type(partial_reduce_output).__name__
+            )
+            raise ValueError(
+                f"partial_reduce_output must be a flat ({numel},) {reduce_dtype} tensor, "
+                f"got {got}: pass the partial_reduce_output a previous call returned"
+            )
+    if accumulate_into is None:
+        return
+    if len(accumulate_into) != len(infos):
+        raise ValueError(
+            f"accumulate_into has {len(accumulate_into)} parameters for {len(infos)} "
+            "gradients: pass one sharded parameter per gradient"
+        )
+    for i, (param, info) in enumerate(zip(accumulate_into, infos)):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"accumulate_into[{i}] must be a tensor, got {type(param).__name__}")
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if local.shape != info.sharded_size or local.dtype != info.orig_dtype:
+            raise ValueError(
+                f"accumulate_into[{i}] has local size {tuple(local.shape)} and dtype "
+                f"{local.dtype}; its gradient will have {tuple(info.sharded_size)} "
+                f"{info.orig_dtype}: pass the sharded parameter the ShardInfo describes"
+            )

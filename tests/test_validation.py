@@ -106,6 +106,22 @@ def bad_calls(group: dist.ProcessGroup, rank: int) -> dict[str, BadCall]:
             "accumulate_into has 1 parameters for 2 gradients"),
         "reduce_zero_divide_factor": (reduce(gradient_divide_factor=0.0), ValueError,
                                       "gradient_divide_factor must be a positive number"),
+        "reduce_accumulate_into_not_tensor": (
+            reduce(accumulate_into=["w", "b"]), TypeError,
+            r"accumulate_into\[0\] must be a tensor"),
+        "reduce_accumulate_into_wrong_shape": (
+            reduce(accumulate_into=[torch.zeros(4, 3), torch.zeros(5)]), ValueError,
+            r"accumulate_into\[0\] has local size \(4, 3\)"),
+        "reduce_accumulate_into_wrong_dtype": (
+            reduce(accumulate_into=[torch.zeros(2, 3, dtype=BF16), torch.zeros(shards[1].shape)]),
+            ValueError, r"accumulate_into\[0\] has local size .* torch.bfloat16"),
+        "reduce_partial_output_wrong_size": (
+            reduce(partial_reduce_output=torch.zeros(3), all_reduce_grads=False,
+                   all_reduce_group=group),
+            ValueError, r"partial_reduce_output must be a flat \(9,\) torch.float32 tensor"),
+        "reduce_skip_all_reduce_without_group": (
+            reduce(all_reduce_grads=False), ValueError,
+            "all_reduce_grads=False skips the HSDP all-reduce, but no all_reduce_group"),
     }
 
 
