@@ -1,0 +1,146 @@
+"""A fully_shard-ed transformer under ``torch.compile(fullgraph=True)``: graph content,
+what the forward saves for backward, and recompiles.
+
+Single process on the fake process group: these tests check structure; the
+numbers are checked on real gloo ranks in ``tests/test_fully_shard.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_traceable
+from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+
+# Sizes chosen so no activation has the shape of a block weight.
+CONFIG = TransformerConfig(vocab_size=96, dim=48, n_layers=2, n_heads=4, hidden_dim=80,
+                           max_seq_len=12)
+BLOCK_WEIGHT_SHAPES = {(48, 48), (80, 48), (48, 80)}
+N_GROUPS = CONFIG.n_layers + 1
+ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
+REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
+
+
+@pytest.fixture
+def fake_world() -> Iterator[None]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def make_model(**kwargs) -> Transformer:
+    torch.manual_seed(0)
+    return shard_transformer(Transformer(CONFIG), fsdp_traceable.fully_shard, **kwargs)
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.max_seq_len))
+    return tokens, torch.roll(tokens, 1, dims=1)
+
+
+class GraphCapture:
+    """An AOTAutograd backend with Inductor's decompositions and partitioner that keeps
+    the joint graph's forward and backward halves."""
+
+    def __init__(self) -> None:
+        self.forward: torch.fx.GraphModule | None = None
+        self.backward: torch.fx.GraphModule | None = None
+
+        def keep_forward(gm, _):
+            self.forward = gm
+            return gm.forward
+
+        def keep_backward(gm, _):
+            self.backward = gm
+            return gm.forward
+
+        self.backend = aot_autograd(
+            fw_compiler=keep_forward, bw_compiler=keep_backward,
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+        )
+
+
+def collective_counts(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(
+        str(n.target) for n in gm.graph.nodes
+        if n.op == "call_function" and "_c10d_functional" in str(n.target)
+    )
+
+
+def saved_for_backward(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return list(output.args[0][1:])  # output 0 is the loss
+
+
+def saved_block_weights(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
+    shapes = [tuple(n.meta["val"].shape) for n in saved_for_backward(gm)
+              if isinstance(n.meta.get("val"), torch.Tensor)]
+    return [s for s in shapes if s in BLOCK_WEIGHT_SHAPES]
+
+
+def compile_and_step(model: Transformer, backend) -> CompileCounterWithBackend:
+    counter = CompileCounterWithBackend(backend)
+    loss = torch.compile(model.loss, backend=counter, fullgraph=True)(*data())
+    loss.backward()
+    return counter
+
+
+def test_reshard_after_forward_recomputes_all_gathers_in_backward(fake_world: None) -> None:
+    capture = GraphCapture()
+    counter = compile_and_step(make_model(), capture.backend)
+    assert counter.frame_count == 1
+    assert not counters["graph_break"]
+    # One all-gather per group in forward; one reduce-scatter per group in backward,
+    # after re-gathering every block (the root keeps its parameters, as in FSDP2).
+    assert collective_counts(capture.forward)[ALL_GATHER] == N_GROUPS
+    assert collective_counts(capture.forward)[REDUCE_SCATTER] == 0
+    assert collective_counts(capture.backward)[REDUCE_SCATTER] == N_GROUPS
+    assert collective_counts(capture.backward)[ALL_GATHER] == N_GROUPS - 1
+    assert saved_block_weights(capture.forward) == []
+
+
+def test_no_reshard_after_forward_saves_unsharded_weights(fake_world: None) -> None:
+    capture = GraphCapture()
+    compile_and_step(make_model(reshard_after_forward=False), capture.backend)
+    assert collective_counts(capture.forward)[ALL_GATHER] == N_GROUPS
+    assert collective_counts(capture.backward)[ALL_GATHER] == 0
+    assert collective_counts(capture.backward)[REDUCE_SCATTER] == N_GROUPS
+    # Every block's 7 matrices (q, k, v, o, w1, w2, w3), saved in some layout.
+    assert len(saved_block_weights(capture.forward)) >= 7 * CONFIG.n_layers
+
+
+def test_compiled_autograd_ten_steps_one_forward_one_backward_graph(fake_world: None) -> None:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward_counter = CompileCounterWithBackend("aot_eager")
+    backward_counter = CompileCounterWithBackend("aot_eager")
+    loss_fn = torch.compile(model.loss, backend=forward_counter, fullgraph=True)
+    backward_compiler = torch.compile(backend=backward_counter, fullgraph=True)
+    for _ in range(10):
+        loss = loss_fn(*data())
+        with torch._dynamo.compiled_autograd._enable(backward_compiler):
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # A recompile would compile another frame on the same counter.
+    assert forward_counter.frame_count == 1
+    assert backward_counter.frame_count == 1
+    assert counters["compiled_autograd"]["captures"] == 1
+    assert not counters["graph_break"]
