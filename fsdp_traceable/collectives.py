@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from . import comm
 from .divide_factors import gradient_divide_schedule
-from .ops import flatten_sizes
+from .ops import all_gather_copy_in_into, flatten_sizes
 from .shard_info import ShardInfo
 from .validation import check_bucket, check_reduce_state, check_uniform, normalize_reduce_op
 
@@ -83,15 +83,27 @@ def foreach_all_gather(
     dtype = all_gather_dtype(infos)
     padded_numels = [info.padded_sharded_numel for info in infos]
     traced = comm.use_traced_path()
-    use_streams = streams is not None and not traced
-    with streams.copy_in_context() if use_streams else contextlib.nullcontext():
-        inputs = list(sharded_tensors)
-        if dtype == torch.uint8:
-            # The byte path reinterprets each shard as it is: cast to its param_dtype first.
-            inputs = [t.to(i.param_dtype) for t, i in zip(inputs, infos)]
+    inputs = list(sharded_tensors)
+    if dtype == torch.uint8:
+        # The byte path reinterprets each shard as it is: cast to its param_dtype first.
+        inputs = [t.to(i.param_dtype) for t, i in zip(inputs, infos)]
+    if traced:
         flat_input = torch.ops.fsdp_traceable.all_gather_copy_in(inputs, padded_numels, dtype)
-        pending = comm.all_gather(flat_input, group)
-    return AllGatherResult(pending, tuple(infos), None if traced else streams)
+        return AllGatherResult(comm.all_gather(flat_input, group), tuple(infos), None)
+    # Eager: copy straight into this rank's slice of the output, as FSDP2 does, so an
+    # in-flight all-gather holds one buffer, not two.
+    input_numel = sum(
+        n * (t.element_size() if dtype == torch.uint8 else 1)
+        for n, t in zip(padded_numels, inputs)
+    )
+    with streams.copy_in_context() if streams is not None else contextlib.nullcontext():
+        output = torch.empty(
+            input_numel * infos[0].world_size, dtype=dtype, device=inputs[0].device
+        )
+        flat_input = output.narrow(0, input_numel * infos[0].rank, input_numel)
+        all_gather_copy_in_into(inputs, padded_numels, flat_input)
+        pending = comm.all_gather_into(output, flat_input, group)
+    return AllGatherResult(pending, tuple(infos), streams)
 
 
 @torch.no_grad()

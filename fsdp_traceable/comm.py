@@ -48,11 +48,29 @@ def wait(pending: PendingTensor) -> torch.Tensor:
     return pending.tensor
 
 
+def _group_name(group: dist.ProcessGroup) -> str:
+    return funcol._resolve_group_name(group)
+
+
 def all_gather(flat_input: torch.Tensor, group: dist.ProcessGroup) -> PendingTensor:
     """Starts an all-gather of ``flat_input`` into ``[world_size * numel]``."""
     if use_traced_path():
-        return PendingTensor(funcol.all_gather_single(flat_input, 0, group), None)
+        # The raw op, not funcol.all_gather_single: while tracing, the latter waits
+        # right away, which would serialise the all-gather with the compute the
+        # caller runs before copy-out. The wait is in :func:`wait`.
+        output = torch.ops._c10d_functional.all_gather_into_tensor(
+            flat_input, group.size(), _group_name(group)
+        )
+        return PendingTensor(output, None)
     output = flat_input.new_empty(flat_input.numel() * group.size())
+    return all_gather_into(output, flat_input, group)
+
+
+def all_gather_into(
+    output: torch.Tensor, flat_input: torch.Tensor, group: dist.ProcessGroup
+) -> PendingTensor:
+    """Eager: starts an async c10d all-gather of ``flat_input`` into ``output``
+    (``flat_input`` may be this rank's slice of ``output``, FSDP2's in-place layout)."""
     work = dist.all_gather_single(output, flat_input, group=group, async_op=True)
     return PendingTensor(output, work)
 
@@ -60,7 +78,11 @@ def all_gather(flat_input: torch.Tensor, group: dist.ProcessGroup) -> PendingTen
 def reduce_scatter(flat_input: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
     """Reduce-scatters ``flat_input`` with ``op`` (``"sum"`` or ``"avg"``) and waits."""
     if use_traced_path():
-        return funcol.wait_tensor(funcol.reduce_scatter_single(flat_input, op, 0, group))
+        # Raw ops and one explicit wait (funcol's wrappers already wait while tracing).
+        output = torch.ops._c10d_functional.reduce_scatter_tensor(
+            flat_input, op, group.size(), _group_name(group)
+        )
+        return funcol.wait_tensor(output)
     output = flat_input.new_empty(flat_input.numel() // group.size())
     dist.reduce_scatter_single(output, flat_input, op=_C10D_OPS[op], group=group)
     return output
@@ -69,7 +91,8 @@ def reduce_scatter(flat_input: torch.Tensor, op: str, group: dist.ProcessGroup) 
 def all_reduce(tensor: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
     """All-reduces ``tensor`` out of place with ``op`` and waits."""
     if use_traced_path():
-        return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
+        output = torch.ops._c10d_functional.all_reduce(tensor, op, _group_name(group))
+        return funcol.wait_tensor(output)
     output = tensor.clone()
     dist.all_reduce(output, op=_C10D_OPS[op], group=group)
     return output

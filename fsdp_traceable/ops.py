@@ -71,6 +71,21 @@ def _all_gather_copy_in(
     bucket of mixed dtypes, reinterpreted as bytes) and zero-padded to
     ``padded_numels[i]`` elements of its own dtype.
     """
+    return torch.cat(_copy_in_pieces(shards, padded_numels, dtype))
+
+
+def all_gather_copy_in_into(
+    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], out: torch.Tensor
+) -> None:
+    """Eager-only: the copy-in written into ``out`` (this rank's slice of the
+    all-gather output, as FSDP2 does), so no separate input buffer is allocated.
+    Same pieces, same bits as ``all_gather_copy_in``."""
+    torch.cat(_copy_in_pieces(shards, padded_numels, out.dtype), out=out)
+
+
+def _copy_in_pieces(
+    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype: torch.dtype
+) -> list[torch.Tensor]:
     # Eager cost is per-op dispatch for small shards: no-op casts are skipped, and the
     # padding is a zero piece of its own in the one cat (constant_pad_nd would copy
     # the shard an extra time). Inductor fuses the cat, zeros included, into one kernel.
@@ -86,7 +101,7 @@ def _all_gather_copy_in(
         pad = padded_numel - flat.numel()
         if pad:
             pieces.append(flat.new_zeros(pad))
-    return torch.cat(pieces)
+    return pieces
 
 
 @torch.library.impl(_lib, "all_gather_copy_out", "CompositeImplicitAutograd")
@@ -113,15 +128,23 @@ def _all_gather_copy_out(
         math.prod(size) * (dtype.itemsize if as_bytes else 1)
         for size, dtype in zip(padded_sizes, dtypes)
     ]
-    chunks = all_gather_output.view(world_size, -1).split(split_sizes, dim=1)
+    rank_major = all_gather_output.view(world_size, -1)
+    if not as_bytes and not any(shard_dims):
+        # The common bucket (one dtype, all Shard(0)): every copy in one aten call, a
+        # C++ loop in eager, where per-op dispatch dominates small parameters, and one
+        # fused kernel under Inductor. Its outputs are always fresh tensors.
+        stacked_all = torch.split_with_sizes_copy(rank_major, split_sizes, dim=1)
+        return [
+            _strip_dim0_padding(stacked, global_size, padded_size, world_size)
+            for stacked, global_size, padded_size in zip(stacked_all, global_sizes, padded_sizes)
+        ]
     outputs = []
     for chunk, global_size, padded_size, shard_dim, dtype in zip(
-        chunks, global_sizes, padded_sizes, shard_dims, dtypes
+        rank_major.split(split_sizes, dim=1), global_sizes, padded_sizes, shard_dims, dtypes
     ):
         # One copy per parameter (two for Shard(d > 0) in a byte bucket), always a
         # clone: .contiguous() returns an already contiguous chunk itself (one rank, one
-        # parameter) and the output would alias the op's input. Few view ops around
-        # it: in eager each costs about as much as a small parameter's copy.
+        # parameter) and the output would alias the op's input.
         stacked_size = [world_size] + padded_size
         if as_bytes and dtype != torch.uint8:
             # Flat first: a (world, 0) chunk's strides reject a dtype view.
@@ -132,12 +155,20 @@ def _all_gather_copy_out(
         else:
             stacked = chunk.view(stacked_size)  # still a view of the input: copied below
         if shard_dim == 0:
-            rows = stacked.view([world_size * padded_size[0]] + padded_size[1:])
-            outputs.append(rows if rows.size(0) == global_size[0] else rows[: global_size[0]])
+            outputs.append(_strip_dim0_padding(stacked, global_size, padded_size, world_size))
         else:
             moved = stacked.movedim(0, shard_dim)
             outputs.append(moved.clone(memory_format=torch.contiguous_format).view(global_size))
     return outputs
+
+
+def _strip_dim0_padding(
+    stacked: torch.Tensor, global_size: list[int], padded_size: list[int], world_size: int
+) -> torch.Tensor:
+    """The unsharded ``Shard(0)`` tensor in a contiguous ``[world, *padded_size]`` stack:
+    its first ``global_size[0]`` rows, as a view (one or two view ops, no copy)."""
+    rows = stacked.view([world_size * padded_size[0]] + padded_size[1:])
+    return rows if rows.size(0) == global_size[0] else rows[: global_size[0]]
 
 
 @torch.library.impl(_lib, "reduce_scatter_copy_in", "CompositeImplicitAutograd")

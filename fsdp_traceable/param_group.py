@@ -106,15 +106,19 @@ class ParamGroup:
             result = None
         return result
 
-    def _local_versions(self) -> list[int]:
-        return [p._local_tensor._version for p in self.sharded_params]
+    def _local_versions(self) -> list[tuple[int, int]]:
+        # In-place ops on the DTensor (optimizer steps, load_state_dict) bump only the
+        # parameter's version, not its local tensor's; writes to the local tensor the reverse.
+        return [(p._version, p._local_tensor._version) for p in self.sharded_params]
 
     def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight."""
         if comm.use_traced_path():
             result = foreach_all_gather(list(sharded_locals), self.infos, self.shard_group)
             return foreach_all_gather_copy_out(result)
-        if self._unsharded_for_backward is not None and not self.reshard_after_backward:
+        if self._unsharded_for_backward is not None:
+            # Kept by a backward with reshard_after_backward=False: like FSDP2, the
+            # next forward uses them whatever the flag says now.
             return self._unsharded_for_backward
         result = self._take_prefetched()
         if result is None:
@@ -131,10 +135,20 @@ class ParamGroup:
             result = self._take_prefetched()
             if result is None:
                 result = self.start_all_gather()
+            self._unsharded_for_backward = foreach_all_gather_copy_out(result)
+            if torch._C._current_graph_task_id() != -1:
+                # Also frees them for a group without trainable parameters, whose
+                # backward never reaches reduce_grads.
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            # Prefetch only once this group's all-gather buffer is freed: the peak then
+            # holds one in-flight buffer, not two.
             if self.prefetch_backward is not None:
                 self.prefetch_backward()
-            self._unsharded_for_backward = foreach_all_gather_copy_out(result)
         return self._unsharded_for_backward
+
+    def _end_backward(self) -> None:
+        if self.reshard_after_backward:
+            self._unsharded_for_backward = None
 
     def reduce_grads(
         self, unsharded_grads: tuple[torch.Tensor | None, ...]

@@ -131,7 +131,7 @@ def _fail_collective(*args: object, **kwargs: object) -> None:
 
 @pytest.fixture
 def no_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("all_gather", "reduce_scatter", "all_reduce", "wait"):
+    for name in ("all_gather", "all_gather_into", "reduce_scatter", "all_reduce", "wait"):
         monkeypatch.setattr(comm, name, _fail_collective)
 
 
