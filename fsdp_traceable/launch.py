@@ -1,0 +1,72 @@
+"""Runs a function on every rank: the ranks ``torchrun`` launched, or local gloo ranks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def device_type() -> str:
+    """``cuda`` under torchrun on a GPU machine, else ``cpu``."""
+    return "cuda" if launched_by_torchrun() and torch.cuda.is_available() else "cpu"
+
+
+def _init(rank: int, world_size: int, init_method: str | None, timeout_s: float) -> None:
+    backend = "nccl" if device_type() == "cuda" else "gloo"
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _local_rank_main(rank: int, world_size: int, port: int, fn, args, timeout_s: float) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    _init(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 300.0
+) -> None:
+    """Runs ``fn(*args)`` on every rank with the default process group initialized.
+
+    Under ``torchrun`` this process is one rank (NCCL on GPUs, gloo on CPU); otherwise
+    ``world_size`` local gloo ranks are spawned on 127.0.0.1. ``fn`` must be a
+    module-level function.
+
+    Args:
+        fn: the per-rank body.
+        args: its arguments.
+        world_size: ranks to spawn when not under ``torchrun``.
+        timeout_s: collective timeout: a rank that waits longer raises instead of hanging.
+    """
+    if launched_by_torchrun():
+        _init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s)
+        try:
+            fn(*args)
+        finally:
+            dist.destroy_process_group()
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(
+        _local_rank_main, args=(world_size, port, fn, args, timeout_s),
+        nprocs=world_size, join=True, start_method="spawn",
+    )
