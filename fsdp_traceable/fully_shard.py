@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm, saved_unsharded
 from .autograd_bridge import unshard_params
@@ -18,6 +19,9 @@ from .param_group import ParamGroup
 
 _fsdp_classes: dict[type, type] = {}
 _owner_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+# The original (unsharded) parameters every fully_shard call replaced: a weight tied
+# across two calls is still the original object in the module sharded second.
+_replaced_params = WeakIdKeyDictionary()
 
 
 class FSDPModule:
@@ -78,7 +82,8 @@ class FSDPModule:
         _bind(group, unsharded)
         if not traced:
             for child in self._fsdp_next_groups:
-                child.prefetch()
+                if child.explicit_unsharded is None:  # unshard() already gathered it
+                    child.prefetch()
         keep_saved = traced or not group.reshard_after_forward or group.explicit_unsharded is not None
         try:
             if keep_saved:
@@ -149,6 +154,8 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         shard_placement_fn=shard_placement_fn,
     )
+    for _, param, _ in owned:
+        _replaced_params[param] = True
     group.explicit_unsharded = None
     group.bindings = []
     by_param: dict[int, nn.Parameter] = {}
@@ -183,9 +190,9 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tup
             if param is None:
                 continue
             fqn = f"{prefix}{name}"
-            if id(param) in sharded_elsewhere:
+            if id(param) in sharded_elsewhere or param in _replaced_params:
                 raise ValueError(
-                    f"parameter {fqn!r} is shared with a submodule that fully_shard already "
+                    f"parameter {fqn!r} is shared with a module that fully_shard already "
                     "sharded; apply fully_shard to a common ancestor of every module that "
                     "uses it (shared parameters must be in one group)"
                 )

@@ -31,9 +31,27 @@ def make_models(config: TransformerConfig = SMALL, seed: int = 0, **shard_kwargs
     """(unsharded reference, torch FSDP2 model, fsdp_traceable model) from one init."""
     torch.manual_seed(seed)
     base = Transformer(config)
-    theirs = shard_transformer(copy.deepcopy(base), fsdp2_fully_shard, **shard_kwargs)
-    ours = shard_transformer(copy.deepcopy(base), fsdp_traceable.fully_shard, **shard_kwargs)
+    theirs, ours = shard_copies(base, **shard_kwargs)
     return base, theirs, ours
+
+
+def shard_copies(
+    base: nn.Module, shard_fn: Callable[..., nn.Module] = shard_transformer, **shard_kwargs
+) -> tuple[nn.Module, nn.Module]:
+    """(torch FSDP2 copy, fsdp_traceable copy) of ``base``, each sharded by ``shard_fn``.
+
+    Args:
+        base: the unsharded model; left untouched.
+        shard_fn: ``shard_fn(model, fully_shard_fn, **shard_kwargs)`` applies one
+            library's ``fully_shard`` to ``model`` (default: per block, then the root).
+        shard_kwargs: passed to both libraries' ``fully_shard`` (e.g. ``mesh=``).
+
+    Returns:
+        The two sharded copies.
+    """
+    theirs = shard_fn(copy.deepcopy(base), fsdp2_fully_shard, **shard_kwargs)
+    ours = shard_fn(copy.deepcopy(base), fsdp_traceable.fully_shard, **shard_kwargs)
+    return theirs, ours
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
