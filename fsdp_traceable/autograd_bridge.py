@@ -23,6 +23,7 @@ class UnshardParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
         unsharded = group.all_gather(sharded_locals)
         frozen = [t for t, p in zip(unsharded, group.sharded_params) if not p.requires_grad]
         if frozen:

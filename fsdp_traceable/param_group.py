@@ -74,7 +74,7 @@ class ParamGroup:
         self._prefetched: AllGatherResult | None = None
         self._prefetched_versions: list[int] = []
         self._unsharded_for_backward: list[torch.Tensor] | None = None
-        self._accumulated_unsharded_grads: list[torch.Tensor] | None = None
+        self._accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
         self.prefetch_backward: Callable[[], None] | None = None
 
     @property
@@ -156,14 +156,21 @@ class ParamGroup:
         """Reduce-scatters the trainable parameters' gradients into sharded gradients."""
         if self.reshard_after_backward:
             self._unsharded_for_backward = None
-        trainable = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
-        sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
-        if not trainable:
-            return sharded_grads
-        grads = [self._reduce_dtype_grad(i, unsharded_grads[i]) for i in trainable]
-        if self._accumulated_unsharded_grads is not None:
-            grads = [g + acc for g, acc in zip(grads, self._accumulated_unsharded_grads)]
+        # As in FSDP2, only parameters that received a gradient are reduced; the others
+        # keep .grad None (which is what AdamW and weight decay expect).
+        grads = {
+            i: grad for i, (grad, param) in enumerate(zip(unsharded_grads, self.sharded_params))
+            if grad is not None and param.requires_grad
+        }
+        accumulating = self._accumulated_unsharded_grads is not None
+        if accumulating or not self.requires_gradient_sync:
+            # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
+            grads = {i: g.to(self.infos[i].reduce_dtype) for i, g in grads.items()}
+        if accumulating:
+            for i, accumulated in self._accumulated_unsharded_grads.items():
+                grads[i] = grads[i] + accumulated if i in grads else accumulated
             self._accumulated_unsharded_grads = None
+        sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
         if not self.requires_gradient_sync:
             if comm.use_traced_path():
                 raise NotImplementedError(
@@ -173,23 +180,16 @@ class ParamGroup:
                 )
             self._accumulated_unsharded_grads = grads
             return sharded_grads
+        if not grads:
+            return sharded_grads
+        indices = sorted(grads)
         result = foreach_reduce(
-            grads, [self.infos[i] for i in trainable], self.shard_group,
+            [grads[i] for i in indices], [self.infos[i] for i in indices], self.shard_group,
             all_reduce_group=self.replicate_group,
         )
-        for i, grad in zip(trainable, result.sharded_grads):
+        for i, grad in zip(indices, result.sharded_grads):
             sharded_grads[i] = grad
         return sharded_grads
-
-    def _reduce_dtype_grad(self, index: int, grad: torch.Tensor | None) -> torch.Tensor:
-        info = self.infos[index]
-        if grad is None:
-            return torch.zeros(info.global_size, dtype=info.param_dtype,
-                               device=self.mesh.device_type)
-        # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
-        if self._accumulated_unsharded_grads is not None or not self.requires_gradient_sync:
-            return grad.to(info.reduce_dtype)
-        return grad
 
 
 def _shard_dim(

@@ -204,6 +204,17 @@ def hsdp(rank: int, world_size: int) -> dict[str, Any]:
             "ours": train(ours, rank, world_size, steps=3), "placements": placements}
 
 
+def unused_params(rank: int, world_size: int) -> dict[str, Any]:
+    """Parameters forward never uses (one in the root group, one in a block): their
+    .grad stays None, so AdamW's weight decay skips them as it does under FSDP2."""
+    base = seeded_transformer()
+    base.unused_head = nn.Linear(base.config.dim, 4)
+    base.layers[0].unused_scale = nn.Parameter(torch.ones(base.config.dim))
+    result = train_both(base, rank, world_size)
+    result["unused_mask"] = ["unused" in n for n, _ in base.named_parameters()]
+    return result
+
+
 FROZEN = ("tok_embeddings.weight", "layers.0.ffn_norm.weight")
 
 

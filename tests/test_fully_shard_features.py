@@ -32,6 +32,7 @@ def _two_rank_cases(directory: str) -> list[tuple[str, Callable, tuple]]:
         ("no_sync_fp32", feature_cases.no_sync_accumulation, (False,)),
         ("no_sync_bf16", feature_cases.no_sync_accumulation, (True,)),
         ("frozen", feature_cases.frozen_params, ()),
+        ("unused", feature_cases.unused_params, ()),
         ("buffers", feature_cases.buffers, ()),
         ("reshard_modes", feature_cases.reshard_modes, ()),
         ("unshard", feature_cases.unshard_and_reshard_after_backward, ()),
@@ -106,6 +107,14 @@ def test_frozen_params_get_no_grad_stay_unchanged_rest_matches_fsdp2(two_ranks):
 
 
 @pytest.mark.gloo
+def test_unused_params_keep_no_grad_and_match_fsdp2(two_ranks):
+    for result in _case(two_ranks, "unused"):
+        assert sum(result["unused_mask"]) == 3
+        for unused, grad in zip(result["unused_mask"], result["ours"]["grads"]):
+            assert (grad is None) == unused
+        assert_same_training(result["theirs"], result["ours"])
+
+
 def test_buffers_untouched_by_sharding_and_used_in_forward(two_ranks):
     for result in _case(two_ranks, "buffers"):
         assert_same_training(result["theirs"], result["ours"])
