@@ -4,7 +4,8 @@ The same three entry points as FSDP2's ``_fsdp_collectives`` module, on plain
 tensors plus :class:`~fsdp_traceable.shard_info.ShardInfo` metadata instead of
 ``FSDPParam``. Each runs as functional collectives while tracing and as async c10d
 in eager (see :mod:`fsdp_traceable.comm`); all copies go through the
-``torch.ops.fsdp_traceable`` ops, so both paths compute the same bits.
+``torch.ops.fsdp_traceable`` ops (or the kernels ``config.copy_kernels`` picks, which
+compute the same bits), so both paths compute the same bits.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import comm
+from . import comm, copy_dispatch
 from .divide_factors import gradient_divide_schedule
-from .ops import all_gather_copy_in_into, flatten_sizes
+from .ops import flatten_sizes
 from .shard_info import ShardInfo
 from .validation import check_bucket, check_reduce_state, check_uniform, normalize_reduce_op
 
@@ -88,7 +89,7 @@ def foreach_all_gather(
         # The byte path reinterprets each shard as it is: cast to its param_dtype first.
         inputs = [t.to(i.param_dtype) for t, i in zip(inputs, infos)]
     if traced:
-        flat_input = torch.ops.fsdp_traceable.all_gather_copy_in(inputs, padded_numels, dtype)
+        flat_input = copy_dispatch.all_gather_copy_in(inputs, padded_numels, dtype)
         return AllGatherResult(comm.all_gather(flat_input, group), tuple(infos), None)
     # Eager: copy straight into this rank's slice of the output, as FSDP2 does, so an
     # in-flight all-gather holds one buffer, not two.
@@ -101,7 +102,7 @@ def foreach_all_gather(
             input_numel * infos[0].world_size, dtype=dtype, device=inputs[0].device
         )
         flat_input = output.narrow(0, input_numel * infos[0].rank, input_numel)
-        all_gather_copy_in_into(inputs, padded_numels, flat_input)
+        copy_dispatch.all_gather_copy_in_into(inputs, padded_numels, flat_input)
         pending = comm.all_gather_into(output, flat_input, group)
     return AllGatherResult(pending, tuple(infos), streams)
 
@@ -122,7 +123,7 @@ def foreach_all_gather_copy_out(result: AllGatherResult) -> list[torch.Tensor]:
         result.streams.consume(output)
     infos = result.infos
     sizes_flat, ndims = flatten_sizes([info.global_size for info in infos])
-    return torch.ops.fsdp_traceable.all_gather_copy_out(
+    return copy_dispatch.all_gather_copy_out(
         output,
         infos[0].world_size,
         sizes_flat,
@@ -199,7 +200,7 @@ def foreach_reduce(
         schedule = schedule._replace(predivide_factor=None, postdivide_factor=None,
                                      reduce_scatter_op=op, all_reduce_op=op)
 
-    reduce_input = torch.ops.fsdp_traceable.reduce_scatter_copy_in(
+    reduce_input = copy_dispatch.reduce_scatter_copy_in(
         list(unsharded_grads), world_size, [i.shard_dim for i in infos], reduce_dtype,
         _nontrivial(schedule.predivide_factor),
     )

@@ -1,0 +1,39 @@
+"""Fused Triton kernels for the copies around FSDP's collectives.
+
+Importing this package registers the ``torch.ops.fsdp_traceable_triton`` ops (see
+:mod:`triton_kernels.ops`); it needs ``triton``. Use :func:`is_available` to test for
+it without importing anything. The usual entry point is
+:mod:`fsdp_traceable.copy_dispatch`, which picks these kernels when
+``fsdp_traceable.config.copy_kernels == "triton"``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def is_available() -> bool:
+    """Whether ``triton`` is installed (the kernels may still need a GPU or
+    ``TRITON_INTERPRET=1`` on CPU to run)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+if is_available():
+    from .ops import (  # noqa: F401  (registers torch.ops.fsdp_traceable_triton)
+        SUPPORTED_DTYPES,
+        all_gather_copy_in,
+        all_gather_copy_in_into,
+        all_gather_copy_out,
+        reduce_scatter_copy_in,
+        unsharded_views,
+    )
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "all_gather_copy_in",
+    "all_gather_copy_in_into",
+    "all_gather_copy_out",
+    "is_available",
+    "reduce_scatter_copy_in",
+    "unsharded_views",
+]
