@@ -1,0 +1,34 @@
+# Set-up and entry points. The first target that needs Python creates .venv and installs
+# the package (torch pinned first, then the editable package with its test extra); the
+# stamp file keeps later runs from reinstalling until pyproject.toml changes.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test bench-copy install clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH_PIN)
+	$(PIP) install -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m fsdp_traceable demo
+
+# pytest exits 5 when it collects no test; an empty suite is not a failure here.
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests compile_tests; \
+	status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
+
+bench-copy: $(STAMP)
+	$(PY) benchmarks/copy_bench.py
+
+clean-venv:
+	rm -rf $(VENV)
