@@ -38,6 +38,7 @@ import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (tor
 from torch.utils import benchmark
 
 import fsdp_traceable  # noqa: F401  (torch.ops.fsdp_traceable)
+from fsdp_traceable import foreach_copies
 from fsdp_traceable.ops import flatten_sizes, padded_sharded_size
 
 WORLD_SIZE = 2
@@ -70,6 +71,7 @@ class CopyCase:
     """Everything the three contenders need for one bucket, built once."""
 
     ours: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]
+    ours_foreach: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]
     fsdp2: Callable[[], None]
     fsdp2_input: torch.Tensor
     fsdp2_unsharded: list[torch.Tensor]
@@ -127,6 +129,12 @@ def make_case(
             gathered, world_size, sizes_flat, ndims, shard_dims, dtypes
         )
 
+    def ours_foreach() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        flat_input = foreach_copies.all_gather_copy_in(shards[rank], padded_numels, dtype)
+        return flat_input, foreach_copies.all_gather_copy_out(
+            gathered, world_size, sizes_flat, ndims, shard_dims, dtypes
+        )
+
     fsdp2_output = torch.empty(numel * world_size, dtype=dtype)
     fsdp2_params = [torch.empty(world_size * n, dtype=dtype) for n in padded_numels]
     fsdp2_out_views = [p.view(world_size, -1) for p in fsdp2_params]
@@ -152,7 +160,7 @@ def make_case(
         out_dst.copy_(out_src)
 
     return CopyCase(
-        ours, fsdp2, fsdp2_input, fsdp2_unsharded, memcpy,
+        ours, ours_foreach, fsdp2, fsdp2_input, fsdp2_unsharded, memcpy,
         copy_in_bytes=numel * itemsize,
         copy_out_bytes=numel * world_size * itemsize,
         full_params=fulls,
@@ -166,9 +174,11 @@ def check_case(case: CopyCase) -> None:
         tensor.fill_(float("nan"))
     case.fsdp2()
     flat_input, unsharded = case.ours()
-    if not torch.equal(flat_input, case.fsdp2_input):
+    foreach_input, foreach_unsharded = case.ours_foreach()
+    if not torch.equal(flat_input, case.fsdp2_input) or not torch.equal(foreach_input, flat_input):
         raise AssertionError("ours and FSDP2 pack different all-gather inputs")
-    for name, outputs in (("ours", unsharded), ("fsdp2", case.fsdp2_unsharded)):
+    for name, outputs in (("ours", unsharded), ("ours_foreach", foreach_unsharded),
+                          ("fsdp2", case.fsdp2_unsharded)):
         for got, want in zip(outputs, case.full_params, strict=True):
             if got.shape != want.shape or not torch.equal(got, want):
                 raise AssertionError(f"{name} copy-out does not reproduce the parameters")
@@ -180,7 +190,7 @@ def median_us(fn: Callable[[], object], min_run_time: float, threads: int) -> fl
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
-CONTENDERS = ("ours", "fsdp2", "memcpy")
+CONTENDERS = ("ours", "ours_foreach", "fsdp2", "memcpy")
 
 
 def time_case(
@@ -221,6 +231,8 @@ def run(rounds: int, min_run_time: float, threads: int, world_size: int = WORLD_
                 **{f"{key}_us": best[key] for key in CONTENDERS},
                 "ours_over_memcpy": best["ours"] / best["memcpy"],
                 "ours_over_fsdp2": best["ours"] / best["fsdp2"],
+                "ours_foreach_over_memcpy": best["ours_foreach"] / best["memcpy"],
+                "ours_foreach_over_fsdp2": best["ours_foreach"] / best["fsdp2"],
                 "rounds_us": times,
             }
         )
@@ -229,16 +241,18 @@ def run(rounds: int, min_run_time: float, threads: int, world_size: int = WORLD_
 
 def markdown_table(rows: Sequence[dict]) -> str:
     lines = [
-        "| workload | bytes in + out | ours (us) | FSDP2 (us) | memcpy (us) "
-        "| ours/memcpy | ours/FSDP2 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | bytes in + out | ours: aten (us) | ours: foreach (us) | FSDP2 (us) "
+        "| memcpy (us) | aten/memcpy | aten/FSDP2 | foreach/memcpy | foreach/FSDP2 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         mib = (row["copy_in_bytes"] + row["copy_out_bytes"]) / 2**20
         lines.append(
-            f"| {row['workload']} | {mib:.1f} MiB | {row['ours_us']:.0f} | {row['fsdp2_us']:.0f} "
+            f"| {row['workload']} | {mib:.1f} MiB | {row['ours_us']:.0f} "
+            f"| {row['ours_foreach_us']:.0f} | {row['fsdp2_us']:.0f} "
             f"| {row['memcpy_us']:.0f} | {row['ours_over_memcpy']:.2f} "
-            f"| {row['ours_over_fsdp2']:.2f} |"
+            f"| {row['ours_over_fsdp2']:.2f} | {row['ours_foreach_over_memcpy']:.2f} "
+            f"| {row['ours_foreach_over_fsdp2']:.2f} |"
         )
     return "\n".join(lines)
 
