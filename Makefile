@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test bench-copy install clean-venv
+.PHONY: demo demo-collectives test bench bench-copy install clean-venv
 
 install: $(STAMP)
 
@@ -20,7 +20,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) -m fsdp_traceable train
+
+# A real run of the collectives alone: all-gather and reduce a bucket on 2 gloo ranks.
+demo-collectives: $(STAMP)
 	$(PY) -m fsdp_traceable demo
+
+# One run of every training mode next to torch FSDP2 (writes benchmarks/results/bench.*).
+bench: $(STAMP)
+	$(PIP) install -q -e '.[bench]'
+	$(PY) -m fsdp_traceable bench --dim 256 --layers 4 --batch-size 8 --seq-len 64
 
 # pytest exits 5 when it collects no test; an empty suite is not a failure here.
 test: $(STAMP)
