@@ -9,6 +9,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from . import comm
 from .param_group import ParamGroup
 
 
@@ -47,6 +48,21 @@ def _apply_unshard(group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[to
     return UnshardParams.apply(group, *sharded_locals)
 
 
+def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
+    """The group's sharded parameters read from their modules' ``_parameters``.
+
+    The same objects as ``group.sharded_params``, but Dynamo only recognises a tensor
+    as a parameter when it reaches it through a module: it then keeps its shape static
+    (also under ``torch.compile(dynamic=True)``, which otherwise makes every dim of
+    every sharded parameter symbolic) and marks it a static graph input.
+    """
+    params: list[torch.nn.Parameter | None] = [None] * len(group.sharded_params)
+    for owner, name, index in group.bindings:
+        if params[index] is None:
+            params[index] = owner._parameters[name]
+    return params
+
+
 def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
     """The group's unsharded parameters, connected to autograd.
 
@@ -55,7 +71,15 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
     the partitioner saves the sharded inputs and re-runs the all-gather in backward
     instead of saving the unsharded parameters.
     """
-    sharded_locals = [p.to_local() for p in group.sharded_params]
+    # Not ``group.sharded_params``: testing that list makes Dynamo reach its first
+    # parameter through it, not through its module (see _module_params).
+    if not group.infos:  # e.g. a root whose parameters all live in sharded blocks
+        return ()
+    params = _module_params(group) if comm.use_traced_path() else group.sharded_params
+    # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
+    # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
+    # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
+    sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]
     if recompute_in_backward:
         return checkpoint(
             _apply_unshard, group, *sharded_locals,

@@ -22,7 +22,13 @@ from . import comm, copy_dispatch
 from .divide_factors import gradient_divide_schedule
 from .ops import flatten_sizes
 from .shard_info import ShardInfo
-from .validation import check_bucket, check_reduce_state, check_uniform, normalize_reduce_op
+from .validation import (
+    check_bucket,
+    check_bucket_bytes,
+    check_reduce_state,
+    check_uniform,
+    normalize_reduce_op,
+)
 
 __all__ = [
     "AllGatherResult",
@@ -81,6 +87,7 @@ def foreach_all_gather(
         The in-flight :class:`AllGatherResult`; compute may run before copy-out.
     """
     check_bucket(sharded_tensors, infos, group, tensors_name="sharded_tensors", expect="sharded")
+    check_bucket_bytes(infos)
     dtype = all_gather_dtype(infos)
     padded_numels = [info.padded_sharded_numel for info in infos]
     traced = comm.use_traced_path()
@@ -177,6 +184,7 @@ def foreach_reduce(
     """
     check_bucket(unsharded_grads, infos, reduce_scatter_group, tensors_name="unsharded_grads",
                  expect="unsharded")
+    check_bucket_bytes(infos)
     check_uniform([g.dtype for g in unsharded_grads], "unsharded_grads dtype",
                   "cast every gradient of a bucket to one dtype (the param_dtype)")
     reduce_dtype = check_uniform([i.reduce_dtype for i in infos], "reduce_dtype",

@@ -8,6 +8,11 @@
     ``"inductor"`` (default) runs the aten decomposition (fused by Inductor under
     compile); ``"foreach"`` uses ``torch._foreach_copy_``-style kernels; ``"triton"``
     the fused kernels from ``triton_kernels``.
+``max_bucket_bytes``: the largest all-gather output or reduce-scatter input one bucket
+    (one ``fully_shard`` group) may plan, in bytes; larger buckets are rejected at
+    ``fully_shard`` time and before any allocation in the collectives. The default,
+    ``2**31 - 1`` (the largest int32 byte count), is a conservative cap; raise it
+    where the backend handles larger messages.
 """
 
 import sys
@@ -16,5 +21,6 @@ from torch.utils._config_module import install_config_module
 
 collectives_path: str = "auto"
 copy_kernels: str = "inductor"
+max_bucket_bytes: int = 2**31 - 1
 
 install_config_module(sys.modules[__name__])

@@ -9,19 +9,23 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm, saved_unsharded
 from .autograd_bridge import unshard_params
 from .param_group import ParamGroup
+from .shard_info import SUPPORTED_DTYPES
 
 _fsdp_classes: dict[type, type] = {}
 _owner_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 # The original (unsharded) parameters every fully_shard call replaced: a weight tied
 # across two calls is still the original object in the module sharded second.
 _replaced_params = WeakIdKeyDictionary()
+# The sharded parameters fully_shard created: finding one again means a parent was
+# sharded before its child.
+_sharded_params = WeakIdKeyDictionary()
 
 
 class FSDPModule:
@@ -49,6 +53,7 @@ class FSDPModule:
             requires_gradient_sync: ``False`` for all but the last microbatch.
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
         for group in _groups(self, recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
@@ -60,16 +65,19 @@ class FSDPModule:
                 skips its all-gather (use only while the parameters do not change).
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
+        _check_bool("reshard_after_backward", reshard_after_backward)
         for group in _groups(self, recurse):
             group.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether backward re-gathers the parameters instead of keeping them from forward."""
+        _check_bool("reshard_after_forward", reshard_after_forward)
         for group in _groups(self, recurse):
             group.reshard_after_forward = reshard_after_forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
+        _check_input_device(self, group.device_type, args, kwargs)
         policy = group.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
@@ -144,10 +152,8 @@ def fully_shard(
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}"
-        )
+    _check_mp_dtypes(mp_policy)
+    _check_bool("reshard_after_forward", reshard_after_forward)
     owned = _managed_params(module)
     group = ParamGroup(
         [(fqn, param) for fqn, param, _ in owned], mesh,
@@ -156,6 +162,9 @@ def fully_shard(
     )
     for _, param, _ in owned:
         _replaced_params[param] = True
+    for sharded in group.sharded_params:
+        _sharded_params[sharded] = True
+    group.device_type = mesh.device_type
     group.explicit_unsharded = None
     group.bindings = []
     by_param: dict[int, nn.Parameter] = {}
@@ -190,6 +199,18 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tup
             if param is None:
                 continue
             fqn = f"{prefix}{name}"
+            if param in _sharded_params:
+                raise ValueError(
+                    f"parameter {fqn!r} was already sharded by fully_shard on a parent "
+                    "module; apply fully_shard bottom-up: submodules first, then their "
+                    "parents, the root last"
+                )
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {fqn!r} is already a DTensor (placements "
+                    f"{tuple(param.placements)}); fully_shard shards plain parameters: "
+                    "apply it to the module before any other sharding"
+                )
             if id(param) in sharded_elsewhere or param in _replaced_params:
                 raise ValueError(
                     f"parameter {fqn!r} is shared with a module that fully_shard already "
@@ -202,21 +223,41 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tup
                     "point parameters only (register integer state as a buffer)"
                 )
             managed.setdefault(id(param), (fqn, param, []))[2].append((owner, name))
-    devices = {param.device.type for _, param, _ in managed.values()}
-    if len(devices) > 1:
+    params = list(managed.values())
+    by_device = {param.device.type: fqn for fqn, param, _ in params}
+    if len(by_device) > 1:
+        listed = ", ".join(f"{fqn!r} on {device}" for device, fqn in sorted(by_device.items()))
         raise ValueError(
-            f"module has parameters on several device types {sorted(devices)}; move the "
-            "module to one device (or the meta device) before fully_shard"
+            f"module has parameters on several device types ({listed}); move the module "
+            "to one device before fully_shard (e.g. module.to('cpu'))"
         )
-    return list(managed.values())
+    if "meta" in by_device:
+        raise ValueError(
+            f"parameter {by_device['meta']!r} is on the meta device; fully_shard shards "
+            "materialized parameters: call module.to_empty(device=...) and initialize the "
+            "parameters before fully_shard"
+        )
+    by_dtype = {param.dtype: fqn for fqn, param, _ in params if param.requires_grad}
+    if len(by_dtype) > 1:
+        listed = ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in by_dtype.items())
+        raise ValueError(
+            f"trainable parameters of one fully_shard group have several dtypes ({listed}); "
+            "their gradients are reduced in one bucket of one dtype: give them one dtype "
+            "(e.g. module.float(); use mp_policy for lower-precision compute), or apply "
+            "fully_shard to the submodules of each dtype separately"
+        )
+    return params
 
 
 def _modules_outside_fsdp(module: nn.Module, prefix: str = ""):
-    yield prefix, module
+    """``(prefix, submodule)`` for ``module`` and every submodule not under another
+    ``fully_shard``, children before their parent: FSDP2's order, so a bucket's layout,
+    and with it the reduce-scatter's summation order per element, matches FSDP2's."""
     for name, child in module._modules.items():
         if child is None or isinstance(child, FSDPModule):
             continue
         yield from _modules_outside_fsdp(child, f"{prefix}{name}.")
+    yield prefix, module
 
 
 def _bind(group: ParamGroup, unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -282,6 +323,49 @@ def _link_groups(root: FSDPModule) -> None:
         m._fsdp_next_groups = groups[i + 1 : i + 2]
         previous = groups[i - 1] if i > 1 else None
         m._fsdp_group.prefetch_backward = previous.prefetch if previous is not None else None
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_mp_dtypes(mp_policy: MixedPrecisionPolicy) -> None:
+    """Rejects policy dtypes the collectives cannot carry, before any parameter is read."""
+    supported = ", ".join(map(str, SUPPORTED_DTYPES))
+    for field in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"mp_policy.{field}={dtype} is not supported: use one of {supported}, or "
+                "None to keep each parameter's own dtype"
+            )
+    output_dtype = mp_policy.output_dtype
+    if output_dtype is not None and not (
+        isinstance(output_dtype, torch.dtype) and output_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"mp_policy.output_dtype={output_dtype} is not a floating-point dtype: use "
+            "e.g. torch.float32, or None to leave the outputs as computed"
+        )
+
+
+def _check_input_device(module: nn.Module, device_type: str, args: tuple, kwargs: dict) -> None:
+    """Raises if the first tensor argument is not on the mesh's device type.
+
+    Runs before the all-gather, so a misplaced input fails on every rank without a
+    collective. Under compile the device is static, so this adds no graph break.
+    """
+    for key, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            if value.device.type != device_type:
+                where = f"argument {key}" if isinstance(key, int) else f"argument {key!r}"
+                raise ValueError(
+                    f"{type(module).__name__}.forward got {where} on {value.device.type}, but "
+                    f"its parameters are sharded on {device_type}: move the inputs to "
+                    f"{device_type} before calling the model"
+                )
+            return
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

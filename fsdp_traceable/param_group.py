@@ -18,6 +18,7 @@ from .collectives import (
     foreach_reduce,
 )
 from .shard_info import ShardInfo, make_shard_info, shard_tensor
+from .validation import check_bucket_bytes
 
 
 class ParamGroup:
@@ -61,13 +62,16 @@ class ParamGroup:
                 )
             except (TypeError, ValueError) as err:
                 raise type(err)(f"parameter {fqn!r}: {err}") from None
+            self.infos.append(info)
+        check_bucket_bytes(self.infos, self.fqns)
+        for (fqn, param), info in zip(named_params, self.infos):
             local = shard_tensor(param.detach().to(mesh.device_type), info)
-            placements = (Replicate(), Shard(shard_dim)) if self.is_hsdp else (Shard(shard_dim),)
+            shard = Shard(info.shard_dim)
+            placements = (Replicate(), shard) if self.is_hsdp else (shard,)
             dtensor = DTensor.from_local(
                 local, mesh, placements, run_check=False,
                 shape=param.shape, stride=param.stride(),
             )
-            self.infos.append(info)
             self.sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
         self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
         # Eager-only state.
@@ -94,6 +98,8 @@ class ParamGroup:
 
     def prefetch(self) -> None:
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
+        if not self.sharded_params:
+            return
         if self._prefetched is None and self._unsharded_for_backward is None:
             self._prefetched = self.start_all_gather()
             self._prefetched_versions = self._local_versions()
@@ -206,6 +212,11 @@ def _shard_dim(
         raise TypeError(
             f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
             "return a torch.distributed.tensor.Shard(dim) or None (for Shard(0))"
+        )
+    if param.ndim and not -param.ndim <= placement.dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for parameter {fqn!r} of "
+            f"size {tuple(param.shape)}; return Shard(d) with {-param.ndim} <= d < {param.ndim}"
         )
     return placement.dim
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import config
 from .divide_factors import SUPPORTED_REDUCE_OPS
 from .shard_info import SUPPORTED_DTYPES, ShardInfo
 
@@ -72,6 +73,44 @@ def check_bucket(
                 f"but the group has size {group_size} and this rank is {group_rank}: "
                 "build the infos from the group you communicate over"
             )
+
+
+def bucket_bytes(infos: Sequence[ShardInfo]) -> int:
+    """The larger of a bucket's all-gather output and reduce-scatter input, in bytes.
+
+    The all-gather output holds every rank's padded shards in their ``param_dtype``
+    (the byte sizes add up for mixed dtypes, which travel as ``uint8``); the
+    reduce-scatter input the same elements in ``reduce_dtype``.
+    """
+    if not infos:
+        return 0
+    world_size = infos[0].world_size
+    gathered = sum(i.padded_sharded_numel * i.param_dtype.itemsize for i in infos)
+    reduced = sum(i.padded_sharded_numel * i.reduce_dtype.itemsize for i in infos)
+    return world_size * max(gathered, reduced)
+
+
+def check_bucket_bytes(infos: Sequence[ShardInfo], names: Sequence[str] | None = None) -> None:
+    """Rejects a bucket larger than ``config.max_bucket_bytes``, before anything is allocated.
+
+    Args:
+        infos: one :class:`ShardInfo` per parameter of the bucket.
+        names: the parameters' names, to name the largest ones in the error.
+    """
+    limit = config.max_bucket_bytes
+    total = bucket_bytes(infos)
+    if total <= limit:
+        return
+    names = list(names) if names is not None else [f"infos[{i}]" for i in range(len(infos))]
+    largest = sorted(zip(infos, names), key=lambda pair: -pair[0].global_numel)[:3]
+    listed = ", ".join(f"{name!r} {tuple(info.global_size)}" for info, name in largest)
+    raise ValueError(
+        f"a bucket of {len(infos)} parameter{'s' * (len(infos) != 1)} (largest: {listed}) "
+        f"needs {total} bytes per "
+        f"collective across {infos[0].world_size} ranks, over the limit of {limit} bytes "
+        "(fsdp_traceable.config.max_bucket_bytes): split the module into smaller fully_shard "
+        "groups (apply fully_shard to its submodules first), or raise the limit"
+    )
 
 
 def check_uniform(values: Sequence[object], what: str, fix: str) -> object:
