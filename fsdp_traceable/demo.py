@@ -8,13 +8,10 @@ against single-process math and printing what happened.
 
 from __future__ import annotations
 
-import datetime
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from .launch import run_on_ranks
 from .collectives import foreach_all_gather, foreach_all_gather_copy_out, foreach_reduce
 from .shard_info import make_shard_info, shard_tensor
 
@@ -26,52 +23,42 @@ DEMO_PARAMS: tuple[tuple[tuple[int, ...], int], ...] = (
 )
 
 
-def _demo_rank(rank: int, world_size: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        torch.manual_seed(0)  # every rank builds the same full parameters
-        fulls = [torch.randn(size) for size, _ in DEMO_PARAMS]
-        infos = [
-            make_shard_info(size, world_size, rank, shard_dim=dim)
-            for size, dim in DEMO_PARAMS
-        ]
-        shards = [shard_tensor(full, info) for full, info in zip(fulls, infos)]
-        group = dist.group.WORLD
+def _demo_rank() -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # every rank builds the same full parameters
+    fulls = [torch.randn(size) for size, _ in DEMO_PARAMS]
+    infos = [
+        make_shard_info(size, world_size, rank, shard_dim=dim)
+        for size, dim in DEMO_PARAMS
+    ]
+    shards = [shard_tensor(full, info) for full, info in zip(fulls, infos)]
+    group = dist.group.WORLD
 
-        gathered = foreach_all_gather_copy_out(foreach_all_gather(shards, infos, group))
-        gather_ok = all(torch.equal(g, f) for g, f in zip(gathered, fulls))
+    gathered = foreach_all_gather_copy_out(foreach_all_gather(shards, infos, group))
+    gather_ok = all(torch.equal(g, f) for g, f in zip(gathered, fulls))
 
-        # Rank r contributes (r + 1) * full; the averaged gradient is mean(1..world) * full.
-        grads = [full * (rank + 1) for full in fulls]
-        reduced = foreach_reduce(grads, infos, group).sharded_grads
-        scale = (world_size + 1) / 2
-        expected = [shard_tensor(full * scale, info) for full, info in zip(fulls, infos)]
-        reduce_ok = all(torch.allclose(r, e) for r, e in zip(reduced, expected))
+    # Rank r contributes (r + 1) * full; the averaged gradient is mean(1..world) * full.
+    grads = [full * (rank + 1) for full in fulls]
+    reduced = foreach_reduce(grads, infos, group).sharded_grads
+    scale = (world_size + 1) / 2
+    expected = [shard_tensor(full * scale, info) for full, info in zip(fulls, infos)]
+    reduce_ok = all(torch.allclose(r, e) for r, e in zip(reduced, expected))
 
-        lines = [f"[rank {rank}] bucket of {len(infos)} parameters"]
-        for info, shard, grad in zip(infos, shards, reduced):
-            lines.append(
-                f"[rank {rank}]   global {tuple(info.global_size)} Shard({info.shard_dim}): "
-                f"shard {tuple(shard.shape)} -> sharded grad {tuple(grad.shape)}"
-            )
-        lines.append(f"[rank {rank}] all-gather + copy-out equals the full parameters: {gather_ok}")
-        lines.append(f"[rank {rank}] reduce-scatter (avg) equals the mean gradient: {reduce_ok}")
-        # Print rank by rank so the lines do not interleave.
-        for turn in range(world_size):
-            if turn == rank:
-                print("\n".join(lines), flush=True)
-            dist.barrier()
-        if not (gather_ok and reduce_ok):
-            raise RuntimeError(f"rank {rank}: demo results do not match the reference")
-    finally:
-        dist.destroy_process_group()
+    lines = [f"[rank {rank}] bucket of {len(infos)} parameters"]
+    for info, shard, grad in zip(infos, shards, reduced):
+        lines.append(
+            f"[rank {rank}]   global {tuple(info.global_size)} Shard({info.shard_dim}): "
+            f"shard {tuple(shard.shape)} -> sharded grad {tuple(grad.shape)}"
+        )
+    lines.append(f"[rank {rank}] all-gather + copy-out equals the full parameters: {gather_ok}")
+    lines.append(f"[rank {rank}] reduce-scatter (avg) equals the mean gradient: {reduce_ok}")
+    # Print rank by rank so the lines do not interleave.
+    for turn in range(world_size):
+        if turn == rank:
+            print("\n".join(lines), flush=True)
+        dist.barrier()
+    if not (gather_ok and reduce_ok):
+        raise RuntimeError(f"rank {rank}: demo results do not match the reference")
 
 
 def run_demo(world_size: int = 2) -> None:
@@ -85,10 +72,5 @@ def run_demo(world_size: int = 2) -> None:
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(
-        _demo_rank, args=(world_size, port), nprocs=world_size, join=True, start_method="spawn"
-    )
+    run_on_ranks(_demo_rank, world_size=world_size, timeout_s=60)
     print(f"demo done: {world_size} gloo ranks, all-gather and reduce match the reference")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops import padded_sharded_size, unflatten_sizes
+from .ops import copy_out_layout, nonempty_chunks_to_dim0
 
 # Copy-out pieces start on this byte alignment so a mixed-dtype (uint8) buffer can be
 # viewed as each parameter's dtype, and every unsharded parameter is aligned.
@@ -106,15 +106,10 @@ def all_gather_copy_out(
     Returns:
         One unsharded, contiguous tensor per parameter.
     """
-    global_sizes = unflatten_sizes(global_sizes_flat, ndims)
     as_bytes = all_gather_output.dtype == torch.uint8
-    padded_sizes = [
-        padded_sharded_size(size, dim, world_size) for size, dim in zip(global_sizes, shard_dims)
-    ]
-    split_sizes = [
-        math.prod(size) * (dtype.itemsize if as_bytes else 1)
-        for size, dtype in zip(padded_sizes, dtypes)
-    ]
+    global_sizes, padded_sizes, split_sizes = copy_out_layout(
+        world_size, global_sizes_flat, ndims, shard_dims, dtypes, as_bytes
+    )
     align = max(1, _ALIGN_BYTES // all_gather_output.element_size())
     offsets, total = [], 0
     for split in split_sizes:
@@ -165,11 +160,7 @@ def reduce_scatter_copy_in(
     Returns:
         The flat reduce-scatter input.
     """
-    dim0_grads = [
-        grad if shard_dim == 0 else torch.cat(torch.chunk(grad, world_size, dim=shard_dim))
-        for grad, shard_dim in zip(grads, shard_dims)
-        if grad.numel() > 0
-    ]
+    dim0_grads = nonempty_chunks_to_dim0(grads, world_size, shard_dims)
     if not dim0_grads:
         return grads[0].new_zeros(0, dtype=reduce_dtype)
     row_numel = sum(

@@ -61,6 +61,41 @@ def padded_sharded_size(global_size: Sequence[int], shard_dim: int, world_size: 
     return size
 
 
+def copy_out_layout(
+    world_size: int,
+    global_sizes_flat: Sequence[int],
+    ndims: Sequence[int],
+    shard_dims: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    as_bytes: bool,
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """``(global_sizes, padded_sizes, split_sizes)`` of an all-gather output: each
+    parameter's unsharded size, one rank's padded shard size, and its columns in the
+    ``[world_size, numel]`` view (bytes when ``as_bytes``)."""
+    global_sizes = unflatten_sizes(global_sizes_flat, ndims)
+    padded_sizes = [
+        padded_sharded_size(size, dim, world_size) for size, dim in zip(global_sizes, shard_dims)
+    ]
+    split_sizes = [
+        math.prod(size) * (dtype.itemsize if as_bytes else 1)
+        for size, dtype in zip(padded_sizes, dtypes)
+    ]
+    return global_sizes, padded_sizes, split_sizes
+
+
+def nonempty_chunks_to_dim0(
+    grads: Sequence[torch.Tensor], world_size: int, shard_dims: Sequence[int]
+) -> list[torch.Tensor]:
+    """The non-empty gradients, ``Shard(d > 0)`` ones with their ``d``-chunks stacked
+    along dim 0: the layout ``torch._chunk_cat(..., 0, world_size)`` splits per rank.
+    Empty gradients hold no elements on any rank, and ``_chunk_cat`` rejects them."""
+    return [
+        grad if shard_dim == 0 else torch.cat(torch.chunk(grad, world_size, dim=shard_dim))
+        for grad, shard_dim in zip(grads, shard_dims)
+        if grad.numel() > 0
+    ]
+
+
 @torch.library.impl(_lib, "all_gather_copy_in", "CompositeImplicitAutograd")
 def _all_gather_copy_in(
     shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype
@@ -119,15 +154,10 @@ def _all_gather_copy_out(
     stripped; ``Shard(d > 0)`` parameters are the rank chunks concatenated along
     ``d``. A ``uint8`` output carries a mixed-dtype bucket as bytes.
     """
-    global_sizes = unflatten_sizes(global_sizes_flat, ndims)
     as_bytes = all_gather_output.dtype == torch.uint8
-    padded_sizes = [
-        padded_sharded_size(size, dim, world_size) for size, dim in zip(global_sizes, shard_dims)
-    ]
-    split_sizes = [
-        math.prod(size) * (dtype.itemsize if as_bytes else 1)
-        for size, dtype in zip(padded_sizes, dtypes)
-    ]
+    global_sizes, padded_sizes, split_sizes = copy_out_layout(
+        world_size, global_sizes_flat, ndims, shard_dims, dtypes, as_bytes
+    )
     rank_major = all_gather_output.view(world_size, -1)
     if not as_bytes and not any(shard_dims):
         # The common bucket (one dtype, all Shard(0)): every copy in one aten call, a
@@ -185,12 +215,7 @@ def _reduce_scatter_copy_in(
     chunk. ``Shard(d > 0)`` gradients have their ``d``-chunks moved to dim 0 first.
     The cast to ``reduce_dtype`` and the pre-divide are fused into the copy.
     """
-    # Empty gradients hold no elements on any rank, and _chunk_cat rejects them.
-    dim0_grads = [
-        grad if shard_dim == 0 else torch.cat(torch.chunk(grad, world_size, dim=shard_dim))
-        for grad, shard_dim in zip(grads, shard_dims)
-        if grad.numel() > 0
-    ]
+    dim0_grads = nonempty_chunks_to_dim0(grads, world_size, shard_dims)
     if not dim0_grads:
         return grads[0].new_zeros(0, dtype=reduce_dtype)
     packed = torch._chunk_cat(dim0_grads, 0, world_size).to(reduce_dtype)
