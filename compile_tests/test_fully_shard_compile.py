@@ -8,19 +8,13 @@ numbers are checked on real gloo ranks in ``tests/test_fully_shard.py``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 
-import pytest
 import torch
-import torch.distributed as dist
-from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.decomposition import select_decomp_table
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_traceable
+from fsdp_traceable.graph_capture import GraphCapture
 from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
 
 # Sizes chosen so no activation has the shape of a block weight.
@@ -32,18 +26,6 @@ ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
 REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
 
 
-@pytest.fixture
-def fake_world() -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
-
-
 def make_model(**kwargs) -> Transformer:
     torch.manual_seed(0)
     return shard_transformer(Transformer(CONFIG), fsdp_traceable.fully_shard, **kwargs)
@@ -52,29 +34,6 @@ def make_model(**kwargs) -> Transformer:
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.max_seq_len))
     return tokens, torch.roll(tokens, 1, dims=1)
-
-
-class GraphCapture:
-    """An AOTAutograd backend with Inductor's decompositions and partitioner that keeps
-    the joint graph's forward and backward halves."""
-
-    def __init__(self) -> None:
-        self.forward: torch.fx.GraphModule | None = None
-        self.backward: torch.fx.GraphModule | None = None
-
-        def keep_forward(gm, _):
-            self.forward = gm
-            return gm.forward
-
-        def keep_backward(gm, _):
-            self.backward = gm
-            return gm.forward
-
-        self.backend = aot_autograd(
-            fw_compiler=keep_forward, bw_compiler=keep_backward,
-            partition_fn=min_cut_rematerialization_partition,
-            decompositions=select_decomp_table(),
-        )
 
 
 def collective_counts(gm: torch.fx.GraphModule) -> Counter:

@@ -35,7 +35,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--bench-steps", type=int, default=10, help="timed steps per mode")
     bench.add_argument("--modes", default=None, help="comma-separated subset of the modes")
     bench.add_argument("--out", default="benchmarks/results", help="output directory")
+    explain = commands.add_parser(
+        "explain", help="compile a train step on a fake process group and report its graphs"
+    )
+    from .explain import add_explain_arguments, run_explain_command
+
+    add_explain_arguments(explain)
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        return run_explain_command(args)
     if args.command == "bench":
         from .bench import MODES, format_table, run_bench, write_outputs
         from .train import train_args_from
