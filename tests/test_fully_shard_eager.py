@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fsdp_traceable.param_group as param_group_module
 from fsdp_traceable import saved_unsharded
+from fsdp_traceable.memory import peak_allocated_bytes
 from fsdp_traceable.models.transformer import TransformerConfig
 from tests.dist_utils import run_on_ranks
 from tests.parity_utils import batch, make_models
@@ -60,22 +60,6 @@ def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
     return saved_bytes
 
 
-def _peak_bytes(step) -> int:
-    """Peak CPU bytes allocated (all threads) during ``step``, from the profiler's
-    allocation events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
-
-
 def _memory_body(rank: int, world_size: int) -> dict[str, object]:
     # The benchmark's shape of workload (batch 8 x 64 tokens): activations matter, as in
     # real training. In a model this small with a tiny batch the parameters dominate,
@@ -90,7 +74,7 @@ def _memory_body(rank: int, world_size: int) -> dict[str, object]:
     peaks: dict[str, list[int]] = {"fsdp2": [], "ours": []}
     for _ in range(5):
         for name, model in (("fsdp2", theirs), ("ours", ours)):
-            peaks[name].append(_peak_bytes(lambda: model.loss(*data).backward()))
+            peaks[name].append(peak_allocated_bytes(lambda: model.loss(*data).backward()))
             model.zero_grad(set_to_none=True)
     return {
         "resharded": _unsharded_bytes_saved(True),
