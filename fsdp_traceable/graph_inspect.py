@@ -116,21 +116,17 @@ def _kind_of(node: torch.fx.Node) -> str:
 
 def _copy_chain_before(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The copy ops that produce ``node``'s tensor input, through views."""
-    found, stack, seen = [], [a for a in node.all_input_nodes[:1]], set()
-    while stack:
-        current = stack.pop()
-        if current in seen or _kind_of(current) == "other":
-            continue
-        seen.add(current)
-        if _kind_of(current) == "copy":
-            found.append(current)
-        stack.extend(current.all_input_nodes)
-    return sorted(found, key=_position(node.graph))
+    return _copy_chain(node.all_input_nodes[:1], node.graph, lambda n: n.all_input_nodes)
 
 
 def _copy_chain_after(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The copy ops that read ``node``'s output, through views."""
-    found, stack, seen = [], list(node.users), set()
+    return _copy_chain(list(node.users), node.graph, lambda n: list(n.users))
+
+
+def _copy_chain(start, graph: torch.fx.Graph, neighbours) -> list[torch.fx.Node]:
+    """Copy ops reachable from ``start`` through copies and views, in graph order."""
+    found, stack, seen = [], list(start), set()
     while stack:
         current = stack.pop()
         if current in seen or _kind_of(current) == "other":
@@ -138,8 +134,8 @@ def _copy_chain_after(node: torch.fx.Node) -> list[torch.fx.Node]:
         seen.add(current)
         if _kind_of(current) == "copy":
             found.append(current)
-        stack.extend(current.users)
-    return sorted(found, key=_position(node.graph))
+        stack.extend(neighbours(current))
+    return sorted(found, key=_position(graph))
 
 
 def _position(graph: torch.fx.Graph):
