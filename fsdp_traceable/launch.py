@@ -35,8 +35,16 @@ def _init(rank: int, world_size: int, init_method: str | None, timeout_s: float)
 def _local_rank_main(rank: int, world_size: int, port: int, fn, args, timeout_s: float) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     _init(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
+    _run_and_shut_down(fn, args)
+
+
+def _run_and_shut_down(fn, args) -> None:
+    """Runs ``fn``; after a success every rank meets at a barrier before tearing down,
+    so no rank closes its connections while a peer is still using them (gloo aborts
+    the peer's process then). After a failure the ranks tear down at once."""
     try:
         fn(*args)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -58,10 +66,7 @@ def run_on_ranks(
     """
     if launched_by_torchrun():
         _init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s)
-        try:
-            fn(*args)
-        finally:
-            dist.destroy_process_group()
+        _run_and_shut_down(fn, args)
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -40,6 +40,7 @@ def _worker(
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
