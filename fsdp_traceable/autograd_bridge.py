@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch._dynamo.eval_frame
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -11,6 +13,15 @@ from torch.utils.checkpoint import (
 
 from . import comm
 from .param_group import ParamGroup
+
+# A compiled backward returns the sharded gradients as plain tensors, and AOTAutograd's
+# runtime wraps them back into DTensors with ``DTensor.__tensor_unflatten__``. When that
+# backward runs inside a compiled function (``loss.backward()`` in a compiled train step,
+# or compiled autograd's capture), Dynamo's frame callback is still active and compiles
+# that frame on its own, which graph-breaks on the raw DTensor constructor. Running the
+# frame eagerly is all the break falls back to; skipping it as a top-level frame removes
+# the spurious breaks and leaves inlining it into a traced function as it was.
+torch._dynamo.eval_frame.skip_code(DTensor.__tensor_unflatten__.__code__)
 
 
 class UnshardParams(torch.autograd.Function):
