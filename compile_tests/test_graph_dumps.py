@@ -91,20 +91,21 @@ tag_activation_checkpoint
 
     def test_aot_forward_graph(self) -> None:
         # One all-gather per group (root, block 0, block 1), each: one cat copy-in,
-        # the collective, its wait, one copy per parameter.
+        # the collective, its wait, and the copy-out into one buffer: a cat of each
+        # parameter's rank chunks (the clones), the parameters views of it.
         self.assertExpectedInline("\n".join(self.forward), """\
 copy-in cat -> float32[4920]
 all_gather_into_tensor float32[4920] -> float32[9840]
 wait_tensor float32[9840]
-copy-out clone x4 -> 4 tensors
+copy-out clone x4, cat -> float32[9840]
 copy-in cat -> float32[10416]
 all_gather_into_tensor float32[10416] -> float32[20832]
 wait_tensor float32[20832]
-copy-out clone x9 -> 9 tensors
+copy-out clone x9, cat -> float32[20832]
 copy-in cat -> float32[10416]
 all_gather_into_tensor float32[10416] -> float32[20832]
 wait_tensor float32[20832]
-copy-out clone x9 -> 9 tensors""")
+copy-out clone x9, cat -> float32[20832]""")
 
     def test_aot_backward_graph(self) -> None:
         # Blocks in reverse: re-gather the block (recomputed, reshard_after_forward),
@@ -113,7 +114,7 @@ copy-out clone x9 -> 9 tensors""")
 copy-in cat -> float32[10416]
 all_gather_into_tensor float32[10416] -> float32[20832]
 wait_tensor float32[20832]
-copy-out clone x9 -> 9 tensors
+copy-out clone x9, cat -> float32[20832]
 copy-in cat -> float32[20832]
 reduce_scatter_tensor(avg) float32[20832] -> float32[10416]
 wait_tensor float32[10416]
@@ -121,7 +122,7 @@ copy-out convert_element_type x9 -> 9 tensors
 copy-in cat -> float32[10416]
 all_gather_into_tensor float32[10416] -> float32[20832]
 wait_tensor float32[20832]
-copy-out clone x9 -> 9 tensors
+copy-out clone x9, cat -> float32[20832]
 copy-in cat -> float32[20832]
 reduce_scatter_tensor(avg) float32[20832] -> float32[10416]
 wait_tensor float32[10416]

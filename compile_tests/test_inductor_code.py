@@ -1,6 +1,7 @@
 """Inductor's generated code for a fully_shard-ed transformer's forward and backward:
 the order of copies, collectives, overlapping compute and waits, and how many kernels
-copy into and out of each collective.
+copy into and out of each collective, with Inductor's defaults and with
+:func:`fsdp_traceable.inductor_options` (AOTAutograd's backward and compiled autograd).
 
 One Inductor compile per configuration (module-scoped, each with its own empty cache),
 single process on the fake process group. Kernels are attributed to a collective by
@@ -9,7 +10,9 @@ the buffers they touch (:func:`fsdp_traceable.inductor_code.collective_copies`).
 
 from __future__ import annotations
 
+import contextlib
 import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,30 +22,30 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_tests.sharded_model import CONFIG, N_GROUPS, data, make_model
 from fsdp_traceable.inductor_code import CollectiveCopies, collective_copies
+from fsdp_traceable.inductor_options import inductor_options
 from fsdp_traceable.testing import count_collectives
 
 pytestmark = pytest.mark.slow
 
-# Inductor's passes that move collectives for overlap; off by default, so by default
-# every wait follows its collective directly.
-OVERLAP_PASSES = dict(
-    reorder_for_compute_comm_overlap=True,
-    reorder_for_compute_comm_overlap_passes=["sink_waits", "raise_comms",
-                                             "reorder_compute_for_overlap"],
-)
 
 
-def _compile_train_step(tmp_dir, **inductor_config) -> tuple[str, str]:
+def _compile_train_step(tmp_dir, options: dict, compiled_autograd: bool = False) -> tuple[str, str]:
     """Inductor's forward and backward code for one train step of the model."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_dir))
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         try:
-            with torch._inductor.config.patch(force_disable_caches=True, **inductor_config):
-                loss_fn = torch.compile(make_model().loss, fullgraph=True)
+            with torch._inductor.config.patch(force_disable_caches=True):
+                loss_fn = torch.compile(make_model().loss, fullgraph=True, options=options)
+                backward_context = (
+                    torch._dynamo.compiled_autograd._enable(torch.compile(options=options))
+                    if compiled_autograd else contextlib.nullcontext()
+                )
 
                 def step() -> None:
-                    loss_fn(*data()).backward()
+                    loss = loss_fn(*data())
+                    with backward_context:
+                        loss.backward()
 
                 _, codes = run_and_get_code(step)
         finally:
@@ -54,12 +57,27 @@ def _compile_train_step(tmp_dir, **inductor_config) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def default_code(tmp_path_factory) -> tuple[str, str]:
-    return _compile_train_step(tmp_path_factory.mktemp("inductor_default"))
+    return _compile_train_step(tmp_path_factory.mktemp("inductor_default"), {})
 
 
 @pytest.fixture(scope="module")
-def overlap_code(tmp_path_factory) -> tuple[str, str]:
-    return _compile_train_step(tmp_path_factory.mktemp("inductor_overlap"), **OVERLAP_PASSES)
+def grouped_code(tmp_path_factory) -> tuple[str, str]:
+    return _compile_train_step(
+        tmp_path_factory.mktemp("inductor_grouped"), inductor_options(overlap=False)
+    )
+
+
+@pytest.fixture(scope="module")
+def grouped_compiled_autograd_code(tmp_path_factory) -> tuple[str, str]:
+    return _compile_train_step(
+        tmp_path_factory.mktemp("inductor_grouped_ca"), inductor_options(overlap=False),
+        compiled_autograd=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def options_code(tmp_path_factory) -> tuple[str, str]:
+    return _compile_train_step(tmp_path_factory.mktemp("inductor_options"), inductor_options())
 
 
 def _by_kind(copies: list[CollectiveCopies], kind: str) -> list[CollectiveCopies]:
@@ -76,43 +94,58 @@ def test_collectives_in_generated_code(default_code: tuple[str, str]) -> None:
     }
 
 
-def test_copy_in_and_reduce_scatter_copy_in_are_one_kernel_per_group(
+def _assert_one_kernel_per_group(copies: list[CollectiveCopies], reduce_scatter_copy_in: bool) -> None:
+    for gather in _by_kind(copies, "all_gather"):
+        assert (len(gather.copy_in), len(gather.copy_out)) == (1, 1), gather
+    for scatter in _by_kind(copies, "reduce_scatter"):
+        # The reduce-scatter outputs are the sharded gradients themselves (views, no copy).
+        assert not scatter.copy_out, scatter
+        if reduce_scatter_copy_in:
+            assert len(scatter.copy_in) == 1, scatter
+
+
+def test_copy_in_and_copy_out_are_one_kernel_per_group_by_default(
     default_code: tuple[str, str],
 ) -> None:
     forward, backward = (collective_copies(code) for code in default_code)
     assert len(forward) == N_GROUPS and len(backward) == CONFIG.n_layers + N_GROUPS
-    # Each group's copy-in is written by one kernel. In forward that kernel is the same
-    # for the three groups: their copy-ins read only the sharded parameters, so
-    # Inductor fuses them all into the first kernel.
-    for gather in _by_kind(forward, "all_gather") + _by_kind(backward, "all_gather"):
-        assert len(gather.copy_in) == 1, gather
-    assert len({gather.copy_in[0] for gather in _by_kind(forward, "all_gather")}) == 1
-    # Each group's gradients are packed for the reduce-scatter by one kernel, fused
-    # with the computation of the group's last gradients.
-    for scatter in _by_kind(backward, "reduce_scatter"):
-        assert len(scatter.copy_in) == 1, scatter
+    for copies in (forward, backward):
+        _assert_one_kernel_per_group(copies, reduce_scatter_copy_in=False)
+
+
+def test_default_peak_memory_order_copies_each_gradient_after_its_kernel(
+    default_code: tuple[str, str],
+) -> None:
+    # Inductor's peak-memory reordering copies a gradient into the reduce-scatter input
+    # right after the kernel computing it (a matmul, or a fused norm backward), so the
+    # gradient is freed at once: one copy per gradient or per fused group of gradients
+    # (9 parameters in a block, the embedding, norm and output projection at the root).
+    backward = collective_copies(default_code[1])
+    assert [len(s.copy_in) for s in _by_kind(backward, "reduce_scatter")] == [8, 3, 2]
+
+
+def test_grouped_copy_kernels_make_every_copy_one_kernel_per_group(
+    grouped_code: tuple[str, str], grouped_compiled_autograd_code: tuple[str, str],
+) -> None:
+    # inductor_options(overlap=False): with peak-memory reordering off, each group's
+    # gradients are packed by one kernel, with AOTAutograd's backward and compiled
+    # autograd alike.
+    for code in (*grouped_code, *grouped_compiled_autograd_code):
+        _assert_one_kernel_per_group(collective_copies(code), reduce_scatter_copy_in=True)
+    for scatter in _by_kind(collective_copies(grouped_code[1]), "reduce_scatter"):
         assert "_chunk_cat" in scatter.copy_in[0]
 
 
-def test_copy_out_kernels_per_group(default_code: tuple[str, str]) -> None:
-    forward, backward = (collective_copies(code) for code in default_code)
-    # Copy-out is one kernel for the root group only. For a block, Inductor splits the
-    # split_with_sizes_copy into one copy per parameter and fuses each into the
-    # kernel that first uses that parameter, or leaves it alone before its matmul:
-    # 7 kernels for the 9 parameters in forward, 9 in backward. (Copy-out as a single
-    # cat into one buffer, parameters as views of it, measured one kernel per group,
-    # but Inductor then split the reduce-scatter copy-in into up to 8 kernels.)
-    assert [len(g.copy_out) for g in _by_kind(forward, "all_gather")] == [1, 7, 7]
-    assert [len(g.copy_out) for g in _by_kind(backward, "all_gather")] == [9, 9]
-    # The reduce-scatter outputs are the sharded gradients themselves (views, no copy).
-    assert [len(s.copy_out) for s in _by_kind(backward, "reduce_scatter")] == [0, 0, 0]
-
-
-@pytest.mark.xfail(strict=True, reason="Inductor splits a block's copy-out per parameter")
-def test_copy_out_is_one_kernel_per_group(default_code: tuple[str, str]) -> None:
-    for code in default_code:
-        for gather in _by_kind(collective_copies(code), "all_gather"):
-            assert len(gather.copy_out) == 1, gather
+def test_overlap_passes_split_a_block_reduce_scatter_copy_in_in_two(
+    options_code: tuple[str, str],
+) -> None:
+    # With the overlap passes on as well, Inductor's reordering places the copies of a
+    # block's attention gradients in an earlier kernel than those of its MLP and norm
+    # gradients: two kernels per block, one for the root. Copy-in and copy-out stay one.
+    forward, backward = (collective_copies(code) for code in options_code)
+    _assert_one_kernel_per_group(forward, reduce_scatter_copy_in=False)
+    _assert_one_kernel_per_group(backward, reduce_scatter_copy_in=False)
+    assert [len(s.copy_in) for s in _by_kind(backward, "reduce_scatter")] == [2, 2, 1]
 
 
 def _alias_names(code: str, buffer: str) -> str:
@@ -137,8 +170,8 @@ def _check_overlapped(code: str, collective: CollectiveCopies) -> None:
     check.run(code)
 
 
-def test_overlap_order_with_inductor_overlap_passes(overlap_code: tuple[str, str]) -> None:
-    forward, backward = overlap_code
+def test_overlap_order_with_inductor_options(options_code: tuple[str, str]) -> None:
+    forward, backward = options_code
     forward_copies, backward_copies = collective_copies(forward), collective_copies(backward)
     # With the passes on, a block's all-gather is issued before compute it does not
     # depend on and waited for only when needed: in forward, block 1's all-gather runs
@@ -156,7 +189,7 @@ def test_overlap_order_with_inductor_overlap_passes(overlap_code: tuple[str, str
 
 
 def test_default_schedule_waits_right_after_each_all_gather(default_code: tuple[str, str]) -> None:
-    # Without the overlap passes nothing runs between an all-gather and its wait: the
+    # Without Inductor's overlap passes nothing runs between an all-gather and its wait: the
     # traced graph waits inside each group's forward, and Inductor keeps that order.
     for code in default_code:
         for gather in _by_kind(collective_copies(code), "all_gather"):

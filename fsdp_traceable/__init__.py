@@ -9,6 +9,7 @@ from .collectives import (
     foreach_reduce,
 )
 from .divide_factors import ReduceSchedule, gradient_divide_schedule
+from .inductor_options import inductor_options
 from .shard_info import ShardInfo, make_shard_info, shard_tensor
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "foreach_all_gather_copy_out",
     "foreach_reduce",
     "gradient_divide_schedule",
+    "inductor_options",
     "make_shard_info",
     "shard_tensor",
 ]

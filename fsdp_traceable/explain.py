@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from .graph_capture import CapturedGraph, InductorCapture, OutputCode
 from .inductor_code import CollectiveCopies, collective_copies
+from .inductor_options import inductor_options
 from .models.transformer import Transformer, TransformerConfig, shard_transformer
 from .testing import FrameCompile, GraphBreaks, track_compiles
 
@@ -47,6 +48,7 @@ class Report:
     steps: int
     compiled_autograd: bool
     inductor: bool
+    inductor_config: dict[str, object]
     frames: list[FrameCompile]
     graph_breaks: GraphBreaks
     compiled_autograd_captures: int
@@ -69,6 +71,11 @@ class Report:
             f"fsdp_traceable explain: {self.world_size} ranks, {self.steps} steps, compiled "
             f"autograd {'on' if self.compiled_autograd else 'off'}, "
             f"{'inductor' if self.inductor else 'aot_eager'}",
+        ]
+        if self.inductor_config:
+            lines.append("Inductor config: " + ", ".join(
+                f"{name}={value!r}" for name, value in self.inductor_config.items()))
+        lines += [
             "",
             f"Frames compiled: {len(self.frames)} (recompiles: {len(self.recompiles)})",
         ]
@@ -149,6 +156,7 @@ def explain(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     inductor: bool = True,
     config: TransformerConfig | None = None,
+    inductor_config: Mapping[str, object] | None = None,
 ) -> Report:
     """Compiles ``steps`` train steps of a ``fully_shard``-ed model and reports the result.
 
@@ -173,6 +181,8 @@ def explain(
         inductor: compile with Inductor (post-grad graphs, generated code, copy
             kernels); ``False`` stops after AOTAutograd (faster).
         config: the demo transformer's configuration (``model=None`` only).
+        inductor_config: Inductor settings for every compile, e.g.
+            :func:`fsdp_traceable.inductor_options` (default: Inductor's own).
 
     Returns:
         The :class:`Report`.
@@ -186,7 +196,7 @@ def explain(
     try:
         model, inputs, loss_fn = _prepare(model, inputs, loss_fn, config)
         return _run(model, inputs, loss_fn, steps=steps, compiled_autograd=compiled_autograd,
-                    inductor=inductor, out_dir=out_dir)
+                    inductor=inductor, out_dir=out_dir, inductor_config=dict(inductor_config or {}))
     finally:
         if created_group:
             dist.destroy_process_group()
@@ -237,7 +247,8 @@ def _prepare(model, inputs, loss_fn, config):
     return model, tuple(inputs), loss_fn
 
 
-def _run(model, inputs, loss_fn, *, steps, compiled_autograd, inductor, out_dir) -> Report:
+def _run(model, inputs, loss_fn, *, steps, compiled_autograd, inductor, out_dir,
+         inductor_config) -> Report:
     torch._dynamo.reset()
     capture = InductorCapture(inductor=inductor)
 
@@ -247,7 +258,8 @@ def _run(model, inputs, loss_fn, *, steps, compiled_autograd, inductor, out_dir)
     compiled = torch.compile(forward_loss, backend=capture.backend)
     backward_compiler = torch.compile(backend=capture.backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with torch._inductor.config.patch(force_disable_caches=True), track_compiles() as record:
+    with (torch._inductor.config.patch(force_disable_caches=True, **inductor_config),
+          track_compiles() as record):
         for _ in range(steps):
             loss = compiled(*inputs)
             backward = (torch._dynamo.compiled_autograd._enable(backward_compiler)
@@ -261,6 +273,7 @@ def _run(model, inputs, loss_fn, *, steps, compiled_autograd, inductor, out_dir)
         steps=steps,
         compiled_autograd=compiled_autograd,
         inductor=inductor,
+        inductor_config=inductor_config,
         frames=record.frames,
         graph_breaks=record.graph_breaks,
         compiled_autograd_captures=record.compiled_autograd_captures,
@@ -306,6 +319,9 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2, help="train steps (default 2)")
     parser.add_argument("--no-compiled-autograd", action="store_true",
                         help="use AOTAutograd's backward instead of compiled autograd")
+    parser.add_argument("--inductor-options", action="store_true",
+                        help="compile with fsdp_traceable.inductor_options() (overlap passes, "
+                        "one reduce-scatter copy-in kernel per group)")
     parser.add_argument("--aot-eager", action="store_true",
                         help="stop after AOTAutograd (faster; no generated code)")
 
@@ -327,6 +343,7 @@ def run_explain_command(args: argparse.Namespace) -> int:
     report = explain(
         world_size=args.world_size, out_dir=args.out, steps=args.steps, config=config,
         compiled_autograd=not args.no_compiled_autograd, inductor=not args.aot_eager,
+        inductor_config=inductor_options() if args.inductor_options else None,
     )
     print(report)
     return 0

@@ -124,6 +124,12 @@ def _copy_chain_after(node: torch.fx.Node) -> list[torch.fx.Node]:
     return _copy_chain(list(node.users), node.graph, lambda n: list(n.users))
 
 
+def _feeds_copy(node: torch.fx.Node) -> bool:
+    """Whether a copy op reads ``node``'s output, directly or through views."""
+    return any(_kind_of(user) == "copy" or (_kind_of(user) == "view" and _feeds_copy(user))
+               for user in node.users)
+
+
 def _copy_chain(start, graph: torch.fx.Graph, neighbours) -> list[torch.fx.Node]:
     """Copy ops reachable from ``start`` through copies and views, in graph order."""
     found, stack, seen = [], list(start), set()
@@ -166,7 +172,8 @@ def collective_sequence(gm: torch.fx.GraphModule) -> list[str]:
     """The graph's copies, collectives and waits as normalized lines, in graph order.
 
     Lines: ``copy-in <ops> -> <tensor>``, ``<collective>(<args>) <in> -> <out>``,
-    ``wait_tensor <tensor>``, ``copy-out <ops> -> <n> tensors``. A higher-order op that
+    ``wait_tensor <tensor>``, ``copy-out <ops> -> <n> tensors`` (or ``-> <tensor>`` for a
+    copy-out into one buffer). A higher-order op that
     contains collectives prints its name, then its subgraphs' lines indented.
 
     Args:
@@ -201,9 +208,10 @@ def _sequence(gm: torch.fx.GraphModule, indent: str) -> list[str]:
             lines.append(f"{indent}wait_tensor {_describe(_value(node))}")
             copies = _copy_chain_after(node)
             if copies:
-                last = [c for c in copies if not any(_kind_of(u) == "copy" for u in c.users)]
-                count = sum(_tensor_count(_value(c)) for c in last)
-                lines.append(f"{indent}copy-out {_summarize(copies)} -> {count} tensors")
+                last = [c for c in copies if not _feeds_copy(c)]
+                outputs = (_describe(_value(last[0])) if len(last) == 1 else
+                           f"{sum(_tensor_count(_value(c)) for c in last)} tensors")
+                lines.append(f"{indent}copy-out {_summarize(copies)} -> {outputs}")
             continue
         copies = _copy_chain_before(node)
         source = node.all_input_nodes[0] if node.all_input_nodes else None

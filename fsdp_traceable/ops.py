@@ -160,10 +160,13 @@ def _all_gather_copy_out(
     )
     rank_major = all_gather_output.view(world_size, -1)
     if not as_bytes and not any(shard_dims):
-        # The common bucket (one dtype, all Shard(0)): every copy in one aten call, a
-        # C++ loop in eager, where per-op dispatch dominates small parameters, and one
-        # fused kernel under Inductor. Its outputs are always fresh tensors.
-        stacked_all = torch.split_with_sizes_copy(rank_major, split_sizes, dim=1)
+        # The common bucket (one dtype, all Shard(0)). Eager: every copy in one aten
+        # call, a C++ loop, where per-op dispatch dominates small parameters; its
+        # outputs are always fresh tensors.
+        if torch.compiler.is_compiling():
+            stacked_all = _param_major_copy_out(rank_major, split_sizes)
+        else:
+            stacked_all = torch.split_with_sizes_copy(rank_major, split_sizes, dim=1)
         return [
             _strip_dim0_padding(stacked, global_size, padded_size, world_size)
             for stacked, global_size, padded_size in zip(stacked_all, global_sizes, padded_sizes)
@@ -190,6 +193,26 @@ def _all_gather_copy_out(
             moved = stacked.movedim(0, shard_dim)
             outputs.append(moved.clone(memory_format=torch.contiguous_format).view(global_size))
     return outputs
+
+
+def _param_major_copy_out(rank_major: torch.Tensor, split_sizes: list[int]) -> list[torch.Tensor]:
+    """Compiled copy-out of a one-dtype ``Shard(0)`` bucket: one buffer holding each
+    parameter's ``[world_size, split]`` stack in turn, and the stacks as views of it.
+
+    Written as one ``cat``, Inductor emits a single kernel for the group (one loop per
+    parameter, each a plain copy); ``split_with_sizes_copy`` would become one copy per
+    parameter, each fused into whichever kernel first reads that parameter.
+    """
+    world_size = rank_major.size(0)
+    starts = [sum(split_sizes[:i]) for i in range(len(split_sizes))]
+    flat = torch.cat([
+        rank_major[:, start : start + split].reshape(-1)
+        for start, split in zip(starts, split_sizes)
+    ])
+    return [
+        flat[world_size * start : world_size * (start + split)].view(world_size, split)
+        for start, split in zip(starts, split_sizes)
+    ]
 
 
 def _strip_dim0_padding(

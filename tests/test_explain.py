@@ -61,16 +61,16 @@ def test_explain_inductor_compiled_autograd(tmp_path) -> None:
     (backward,) = report.graphs_of("aot_inference")
     assert [(c.kind, c.input_bytes) for c in backward.collectives] == [
         ("all_gather", block), ("reduce_scatter", WORLD * block), ("reduce_scatter", WORLD * root)]
-    # Each all-gather input is written by one Inductor kernel.
+    # Each all-gather input is written by one Inductor kernel and its output read by one.
     forward_code, backward_code = report.copies
     assert forward_code[0].stage == "forward"
-    assert [len(c.copy_in) for c in forward_code[1]] == [1, 1]
-    # Under compiled autograd Inductor packs each reduce-scatter input with several
-    # kernels (one per gradient but those fused into their producers), where the
-    # AOTAutograd backward packs it with one (compile_tests/test_inductor_code.py).
+    assert [(len(c.copy_in), len(c.copy_out)) for c in forward_code[1]] == [(1, 1), (1, 1)]
+    # With Inductor's default peak-memory reordering each gradient is copied into the
+    # reduce-scatter input right after the kernel computing it: several kernels per
+    # group (one with inductor_options(overlap=False), compile_tests/test_inductor_code.py).
     assert backward_code[0].stage == "inference"
-    assert [(c.kind, len(c.copy_in)) for c in backward_code[1]] == [
-        ("all_gather", 1), ("reduce_scatter", 3), ("reduce_scatter", 2)]
+    assert [(c.kind, len(c.copy_in), len(c.copy_out)) for c in backward_code[1]] == [
+        ("all_gather", 1, 1), ("reduce_scatter", 3, 0), ("reduce_scatter", 2, 0)]
 
     names = sorted(path.name for path in report.files)
     assert names == sorted([
@@ -110,10 +110,14 @@ def _sharded_numel(shapes: list[tuple[int, ...]]) -> int:
 
 def test_cli_explain_prints_the_report_and_writes_dumps(tmp_path, capsys) -> None:
     code = main(["explain", "--layers", "1", "--dim", "16", "--steps", "1", "--aot-eager",
-                 "--out", str(tmp_path)])
+                 "--inductor-options", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0
     assert printed.startswith("fsdp_traceable explain: 2 ranks, 1 steps, compiled autograd on")
+    assert printed.splitlines()[1] == (
+        "Inductor config: reorder_for_compute_comm_overlap=True, "
+        "reorder_for_compute_comm_overlap_passes=['sink_waits', 'raise_comms', "
+        "'reorder_compute_for_overlap'], reorder_for_peak_memory=False")
     assert (tmp_path / "report.txt").read_text() == printed
     assert (tmp_path / "dynamo_graph_0.py").exists()
 

@@ -277,3 +277,34 @@ def test_simulated_reduce_scatter_gives_fsdp2_sharded_grads(world_size, orig_dty
             expected = shard_tensor(full, info).to(reduce_dtype) / world_size
             assert out.shape == info.sharded_size
             torch.testing.assert_close(out, expected.to(orig_dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("world_size", (1, 3, 4))
+def test_compiled_copy_out_is_the_eager_copy_out(world_size, mode, backend, tmp_path, monkeypatch) -> None:
+    # Compiled, a one-dtype Shard(0) bucket is copied out by one cat into one buffer
+    # (the parameters are views of it); eager by split_with_sizes_copy. Same bits,
+    # -0.0, NaN payloads and infinities included, and same shapes and strides.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    orig_dtypes, param_dtypes, ag_dtype = mode_dtypes(mode, len(DIM0_SIZES))
+    infos = bucket_infos(DIM0_SIZES, [0] * len(DIM0_SIZES), world_size, 0, orig_dtypes, param_dtypes)
+    numel = world_size * sum(i.padded_sharded_numel for i in infos)
+    gathered = torch.randn(numel).to(ag_dtype)
+    specials = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")]).to(ag_dtype)
+    gathered[: min(numel, 4)] = specials[: min(numel, 4)]
+    if numel > 4:  # a NaN with a payload
+        bits, nan_bits = ((torch.int16, 0x7FC1) if ag_dtype == torch.bfloat16
+                          else (torch.int32, 0x7FC00001))
+        gathered.view(bits)[4] = nan_bits
+    args = copy_out_args(infos)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled = torch.compile(lambda t: ops.all_gather_copy_out(t, *args), backend=backend,
+                                 fullgraph=True)(gathered)
+    eager = ops.all_gather_copy_out(gathered, *args)
+    assert len(compiled) == len(eager)
+    for got, want in zip(compiled, eager):
+        assert_bitwise_equal(got, want)
+        assert_contiguous_strides(got, want.stride())
+    torch._dynamo.reset()

@@ -1,0 +1,25 @@
+"""``inductor_options``: every setting is a real Inductor config entry, and each switch
+controls only its own settings. What they do to the generated code is pinned in
+``compile_tests/test_inductor_code.py``."""
+
+from __future__ import annotations
+
+import torch._inductor.config as inductor_config
+
+from fsdp_traceable import inductor_options
+from fsdp_traceable.inductor_options import OVERLAP_PASSES
+
+
+def test_every_option_is_an_inductor_config_entry() -> None:
+    options = inductor_options()
+    with inductor_config.patch(**options):  # raises on an unknown name
+        assert all(getattr(inductor_config, name) == value for name, value in options.items())
+    assert options["reorder_for_compute_comm_overlap_passes"] == list(OVERLAP_PASSES)
+
+
+def test_switches_select_their_own_settings() -> None:
+    assert inductor_options(overlap=False, group_copy_kernels=False) == {}
+    assert inductor_options(overlap=False) == {"reorder_for_peak_memory": False}
+    assert set(inductor_options(group_copy_kernels=False)) == {
+        "reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
+    }
