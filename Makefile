@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo demo-collectives test bench bench-copy install clean-venv
+.PHONY: demo demo-collectives test bench bench-copy bench-compiled-copy install clean-venv
 
 install: $(STAMP)
 
@@ -38,6 +38,9 @@ test: $(STAMP)
 
 bench-copy: $(STAMP)
 	$(PY) benchmarks/copy_bench.py
+
+bench-compiled-copy: $(STAMP)
+	$(PY) benchmarks/compiled_copy_bench.py
 
 clean-venv:
 	rm -rf $(VENV)
