@@ -116,10 +116,10 @@ def test_copy_in_and_copy_out_are_one_kernel_per_group_by_default(
 def test_default_peak_memory_order_copies_each_gradient_after_its_kernel(
     default_code: tuple[str, str],
 ) -> None:
-    # Inductor's peak-memory reordering copies a gradient into the reduce-scatter input
-    # right after the kernel computing it (a matmul, or a fused norm backward), so the
-    # gradient is freed at once: one copy per gradient or per fused group of gradients
-    # (9 parameters in a block, the embedding, norm and output projection at the root).
+    # Inductor's peak-memory reordering moves gradient copies into the reduce-scatter
+    # input up to the kernels computing those gradients, so each gradient is freed at
+    # once. How many kernels a group's packing ends up in follows the schedule: 8 for
+    # the last block (backward's first), 3 for block 0, 2 for the root.
     backward = collective_copies(default_code[1])
     assert [len(s.copy_in) for s in _by_kind(backward, "reduce_scatter")] == [8, 3, 2]
 
