@@ -9,9 +9,8 @@ Pass them per compile, so nothing global changes::
 
 With Inductor's defaults, every group's copy-in and copy-out is one kernel already, but
 each all-gather is waited for right after it is issued, and Inductor's peak-memory
-reordering moves each gradient's copy into the reduce-scatter input right after the
-kernel that computes that gradient (one copy kernel per gradient, each gradient freed
-early).
+reordering moves the gradients' copies into the reduce-scatter input up to the kernels
+that compute them (several copy kernels per group, each gradient freed early).
 """
 
 from __future__ import annotations
@@ -42,6 +41,9 @@ def inductor_options(*, overlap: bool = True, group_copy_kernels: bool = True) -
         The settings, a ``dict`` of Inductor config names to values (empty when both
         are off).
     """
+    for name, value in (("overlap", overlap), ("group_copy_kernels", group_copy_kernels)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
     options: dict[str, object] = {}
     if overlap:
         options["reorder_for_compute_comm_overlap"] = True

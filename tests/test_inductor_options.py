@@ -4,6 +4,7 @@ controls only its own settings. What they do to the generated code is pinned in
 
 from __future__ import annotations
 
+import pytest
 import torch._inductor.config as inductor_config
 
 from fsdp_traceable import inductor_options
@@ -23,3 +24,9 @@ def test_switches_select_their_own_settings() -> None:
     assert set(inductor_options(group_copy_kernels=False)) == {
         "reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
     }
+
+
+@pytest.mark.parametrize("name", ["overlap", "group_copy_kernels"])
+def test_rejects_a_non_bool_switch(name: str) -> None:
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        inductor_options(**{name: "yes"})
