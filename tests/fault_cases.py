@@ -151,11 +151,19 @@ def run_rank(
     os.replace(outcome_path(out_dir, rank) + ".tmp", outcome_path(out_dir, rank))
     if isinstance(error, InjectedFault):
         if kind == "raise_and_linger":
-            # Stay alive, process group open, until the other rank has given up.
+            # Stay alive, process group open, until the other rank has given up and
+            # torn its process group down, so closing this rank's connections cannot
+            # race with that teardown.
             deadline = time.monotonic() + 10 * timeout_s
-            peer_done = outcome_path(out_dir, 1 - rank)
-            while not os.path.exists(peer_done) and time.monotonic() < deadline:
+            peer_closed = _closed_path(out_dir, 1 - rank)
+            while not os.path.exists(peer_closed) and time.monotonic() < deadline:
                 time.sleep(0.2)
             os._exit(0)
         raise error  # as an uncaught exception would: traceback, exit code 1
     dist.destroy_process_group()
+    open(_closed_path(out_dir, rank), "w").close()
+
+
+def _closed_path(out_dir: str, rank: int) -> str:
+    """Written by a rank once its process group is destroyed."""
+    return outcome_path(out_dir, rank) + ".closed"
