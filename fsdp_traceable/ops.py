@@ -8,7 +8,8 @@ no outputs aliasing inputs. Each is defined with ``Library.define`` and a
 * FakeTensor / Meta propagation runs the same decomposition (that is the fake impl),
 * under ``torch.compile`` AOTAutograd decomposes the op and Inductor fuses the whole
   copy into a single kernel per bucket, while Dynamo-level graph dumps still show
-  the op by name.
+  the op by name. (Compiled, a one-dtype ``Shard(0)`` copy-out returns disjoint
+  views of one fresh buffer, so that Inductor writes it with one kernel.)
 
 Per-parameter sizes travel as flat int lists (``sizes_flat`` + ``ndims``) because
 schemas have no nested lists.
