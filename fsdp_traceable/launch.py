@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -46,7 +47,18 @@ def _run_and_shut_down(fn, args) -> None:
         fn(*args)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        shut_down_process_group()
+
+
+def shut_down_process_group() -> None:
+    """Destroys the default process group, then drops what may still hold a process
+    group: compiled code keeps its model alive, and the model's parameter groups keep
+    their process group. Released here, a gloo process group is destroyed while the
+    interpreter is whole; destroyed during interpreter shutdown, with work still held by
+    its threads, it can abort the process."""
+    dist.destroy_process_group()
+    torch._dynamo.reset()
+    gc.collect()
 
 
 def run_on_ranks(

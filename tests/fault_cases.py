@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_traceable import fully_shard
+from fsdp_traceable.launch import shut_down_process_group
 
 FAULTY_RANK = 1
 FAULT_STEP = 1  # step 0 runs (and compiles) on both ranks first
@@ -160,7 +161,8 @@ def run_rank(
                 time.sleep(0.2)
             os._exit(0)
         raise error  # as an uncaught exception would: traceback, exit code 1
-    dist.destroy_process_group()
+    error = None  # its traceback holds the model
+    shut_down_process_group()
     open(_closed_path(out_dir, rank), "w").close()
 
 
