@@ -17,6 +17,7 @@ schemas have no nested lists.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -205,7 +206,7 @@ def _param_major_copy_out(rank_major: torch.Tensor, split_sizes: list[int]) -> l
     parameter, each fused into whichever kernel first reads that parameter.
     """
     world_size = rank_major.size(0)
-    starts = [sum(split_sizes[:i]) for i in range(len(split_sizes))]
+    starts = [0, *itertools.accumulate(split_sizes)][:-1]
     flat = torch.cat([
         rank_major[:, start : start + split].reshape(-1)
         for start, split in zip(starts, split_sizes)
