@@ -23,9 +23,21 @@ def device_type() -> str:
     return "cuda" if launched_by_torchrun() and torch.cuda.is_available() else "cpu"
 
 
-def _init(rank: int, world_size: int, init_method: str | None, timeout_s: float) -> None:
-    backend = "nccl" if device_type() == "cuda" else "gloo"
-    if device_type() == "cuda":
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for local ranks to meet at."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_default_group(
+    rank: int, world_size: int, init_method: str | None, timeout_s: float,
+    backend: str | None = None,
+) -> None:
+    """The default process group with a ``timeout_s`` collective timeout; ``backend``
+    defaults to NCCL under ``torchrun`` on a GPU machine, else gloo."""
+    backend = backend or ("nccl" if device_type() == "cuda" else "gloo")
+    if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -35,11 +47,11 @@ def _init(rank: int, world_size: int, init_method: str | None, timeout_s: float)
 
 def _local_rank_main(rank: int, world_size: int, port: int, fn, args, timeout_s: float) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    _init(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
-    _run_and_shut_down(fn, args)
+    init_default_group(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
+    run_and_shut_down(fn, args)
 
 
-def _run_and_shut_down(fn, args) -> None:
+def run_and_shut_down(fn: Callable[..., Any], args: tuple) -> None:
     """Runs ``fn``; after a success every rank meets at a barrier before tearing down,
     so no rank closes its connections while a peer is still using them (gloo aborts
     the peer's process then). After a failure the ranks tear down at once."""
@@ -77,13 +89,10 @@ def run_on_ranks(
         timeout_s: collective timeout: a rank that waits longer raises instead of hanging.
     """
     if launched_by_torchrun():
-        _init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s)
-        _run_and_shut_down(fn, args)
+        init_default_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s)
+        run_and_shut_down(fn, args)
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     mp.start_processes(
-        _local_rank_main, args=(world_size, port, fn, args, timeout_s),
+        _local_rank_main, args=(world_size, free_port(), fn, args, timeout_s),
         nprocs=world_size, join=True, start_method="spawn",
     )

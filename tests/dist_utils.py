@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_traceable.launch import free_port, init_default_group, run_and_shut_down
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port", "run_on_ranks"]
 
 
 def _worker(
@@ -30,19 +25,12 @@ def _worker(
     timeout_s: float,
 ) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears down while a peer still talks to it
-    finally:
-        dist.destroy_process_group()
+    init_default_group(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s, backend="gloo")
+
+    def run_and_save() -> None:
+        torch.save(fn(rank, world_size, *args), os.path.join(result_dir, f"rank{rank}.pt"))
+
+    run_and_shut_down(run_and_save, ())
 
 
 def run_on_ranks(

@@ -12,7 +12,6 @@ rank writes its outcome (status, exception type and message, steps done) as JSON
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import time
@@ -24,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_traceable import fully_shard
-from fsdp_traceable.launch import shut_down_process_group
+from fsdp_traceable.launch import init_default_group, shut_down_process_group
 
 FAULTY_RANK = 1
 FAULT_STEP = 1  # step 0 runs (and compiles) on both ranks first
@@ -130,10 +129,7 @@ def run_rank(
         timeout_s: the process group's collective timeout.
     """
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_default_group(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s, backend="gloo")
     _plan.update(rank=FAULTY_RANK, where=where, kind=kind)
     outcome: dict[str, Any] = {"rank": rank, "steps_done": 0}
     error: Exception | None = None
