@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo demo-collectives test bench bench-copy bench-compiled-copy install clean-venv
+.PHONY: demo demo-collectives test bench bench-copy bench-compiled-copy gpu-check install clean-venv
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ bench-copy: $(STAMP)
 
 bench-compiled-copy: $(STAMP)
 	$(PY) benchmarks/compiled_copy_bench.py
+
+# Everything that needs a GPU (kernels, bench on CUDA, CUDA tests), with the machine's own
+# python3 and torch: no venv, no install (writes benchmarks/results/gpu/).
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 clean-venv:
 	rm -rf $(VENV)

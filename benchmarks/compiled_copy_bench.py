@@ -30,7 +30,8 @@ import tempfile
 import torch
 from torch.utils import benchmark
 
-import fsdp_traceable.ops as ops
+import fsdp_traceable.collectives.ops as ops
+from fsdp_traceable.sizes import flatten_sizes, padded_sharded_size
 
 WORLD_SIZE = 2
 
@@ -50,7 +51,7 @@ WORKLOADS = {
 
 
 def _copy_out_fn(sizes: list[list[int]]):
-    sizes_flat, ndims = ops.flatten_sizes(sizes)
+    sizes_flat, ndims = flatten_sizes(sizes)
     n = len(sizes)
 
     def copy_out(all_gather_output: torch.Tensor) -> list[torch.Tensor]:
@@ -62,7 +63,7 @@ def _copy_out_fn(sizes: list[list[int]]):
 
 def _all_gather_numel(sizes: list[list[int]]) -> int:
     """Elements of the bucket's all-gather output (every rank's padded shards)."""
-    padded = [ops.padded_sharded_size(size, 0, WORLD_SIZE) for size in sizes]
+    padded = [padded_sharded_size(size, 0, WORLD_SIZE) for size in sizes]
     return WORLD_SIZE * sum(torch.Size(size).numel() for size in padded)
 
 

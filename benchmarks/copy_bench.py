@@ -38,8 +38,8 @@ import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (tor
 from torch.utils import benchmark
 
 import fsdp_traceable  # noqa: F401  (torch.ops.fsdp_traceable)
-from fsdp_traceable import foreach_copies
-from fsdp_traceable.ops import flatten_sizes, padded_sharded_size
+from fsdp_traceable.collectives import foreach_copies
+from fsdp_traceable.sizes import flatten_sizes, padded_sharded_size
 
 WORLD_SIZE = 2
 DEFAULT_OUT = pathlib.Path(__file__).parent / "results" / "copy_bench.json"

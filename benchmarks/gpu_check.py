@@ -4,7 +4,7 @@ For buckets of 9, 100 and 1000 parameters sharded over a simulated world (rank 0
 view), every implementation of the three copies
 
 * ``aten``: the ``torch.ops.fsdp_traceable`` op run eagerly (``torch.cat`` etc.),
-* ``foreach``: ``fsdp_traceable.foreach_copies`` (``torch._foreach_copy_``, ...),
+* ``foreach``: ``fsdp_traceable.collectives.foreach_copies`` (``torch._foreach_copy_``, ...),
 * ``inductor``: ``torch.compile`` of the aten op (Inductor's generated code),
 * ``triton``: the ``fsdp_traceable_triton`` op run eagerly (table-driven kernel),
 * ``triton_generated``: the per-bucket generated kernel (the traced path's) run eagerly,
@@ -41,12 +41,10 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import fsdp_traceable  # noqa: E402,F401  (registers the ops)
-from fsdp_traceable import foreach_copies  # noqa: E402
-from fsdp_traceable.ops import flatten_sizes  # noqa: E402
-from fsdp_traceable.shard_info import make_shard_info  # noqa: E402
+import fsdp_traceable  # noqa: F401  (registers the ops)
+from fsdp_traceable.collectives import foreach_copies
+from fsdp_traceable.collectives.shard_info import make_shard_info
+from fsdp_traceable.sizes import flatten_sizes
 
 # Peak HBM bandwidth by device name (bytes/s); H200 is the default.
 PEAKS = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
@@ -145,11 +143,8 @@ class Case:
             return run
         if impl == "triton_generated":
             def generated():
-                launch.always_generated_kernels = True
-                try:
+                with launch.generated_kernels_in_eager():
                     return run()
-                finally:
-                    launch.always_generated_kernels = False
             return generated
         compiled = torch.compile(run)
         return lambda: _as_list(compiled())

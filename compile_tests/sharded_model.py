@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 import fsdp_traceable
-from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+from fsdp_traceable.models.transformer import (
+    Transformer,
+    TransformerConfig,
+    shard_transformer,
+)
 
 # Two blocks: three parameter groups (root, block 0, block 1). Sizes chosen so no
 # activation has the shape of a block weight.

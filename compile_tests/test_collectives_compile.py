@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_traceable as ft
+from fsdp_traceable.testing.fake_world import fake_process_group
 
 BUCKET_SIZE = 32
 # Graph nodes that compute nothing: list indexing and no_grad's grad-mode switches.
@@ -37,25 +37,20 @@ _FALLBACK_CALL = re.compile(r"^\s*[^\s#].*\b(aten\.|extern_kernels\.)")
 
 
 @pytest.fixture
-def fresh_compile(tmp_path, monkeypatch) -> Iterator[None]:
+def fresh_compile(fresh_inductor_cache) -> Iterator[None]:
     """An empty Inductor cache and reset Dynamo state: kernel counts must come from
     this compile, not from code cached by an earlier test or run."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     torch._dynamo.reset()
     counters.clear()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
+    yield
     torch._dynamo.reset()
 
 
 @pytest.fixture
 def fake_group(request) -> Iterator[dist.ProcessGroup]:
     """Rank 0 of a fake process group of ``request.param`` ranks."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
-    try:
+    with fake_process_group(request.param, reset_dynamo=False):
         yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def bucket_specs(world_size: int, with_shard1: bool = True) -> list[tuple[tuple[int, ...], int]]:

@@ -14,8 +14,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import fsdp_traceable
-from fsdp_traceable.graph_capture import GraphCapture
-from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+from fsdp_traceable.inspect.capture import InductorCapture
+from fsdp_traceable.models.transformer import (
+    Transformer,
+    TransformerConfig,
+    shard_transformer,
+)
 
 # Sizes chosen so no activation has the shape of a block weight.
 CONFIG = TransformerConfig(vocab_size=96, dim=48, n_layers=2, n_heads=4, hidden_dim=80,
@@ -62,7 +66,7 @@ def compile_and_step(model: Transformer, backend) -> CompileCounterWithBackend:
 
 
 def test_reshard_after_forward_recomputes_all_gathers_in_backward(fake_world: None) -> None:
-    capture = GraphCapture()
+    capture = InductorCapture(inductor=False)
     counter = compile_and_step(make_model(), capture.backend)
     assert counter.frame_count == 1
     assert not counters["graph_break"]
@@ -76,7 +80,7 @@ def test_reshard_after_forward_recomputes_all_gathers_in_backward(fake_world: No
 
 
 def test_no_reshard_after_forward_saves_unsharded_weights(fake_world: None) -> None:
-    capture = GraphCapture()
+    capture = InductorCapture(inductor=False)
     compile_and_step(make_model(reshard_after_forward=False), capture.backend)
     assert collective_counts(capture.forward)[ALL_GATHER] == N_GROUPS
     assert collective_counts(capture.backward)[ALL_GATHER] == 0

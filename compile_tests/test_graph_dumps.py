@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import expecttest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_tests.sharded_model import data, make_model
-from fsdp_traceable.graph_capture import GraphCapture
-from fsdp_traceable.graph_inspect import collective_sequence
+from fsdp_traceable.inspect.capture import InductorCapture
+from fsdp_traceable.inspect.graph import collective_sequence
 from fsdp_traceable.testing import count_collectives
+from fsdp_traceable.testing.fake_world import fake_process_group
 
 
 class TestGraphDumps(expecttest.TestCase):
@@ -26,15 +25,13 @@ class TestGraphDumps(expecttest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-        torch._dynamo.reset()
-        capture, dynamo_graphs = GraphCapture(), []
+        capture, dynamo_graphs = InductorCapture(inductor=False), []
 
         def backend(gm, example_inputs):
             dynamo_graphs.append(gm)
             return capture.backend(gm, example_inputs)
 
-        try:
+        with fake_process_group(2):
             loss = torch.compile(make_model().loss, backend=backend, fullgraph=True)(*data())
             loss.backward()
             (cls.dynamo_gm,) = dynamo_graphs
@@ -42,9 +39,6 @@ class TestGraphDumps(expecttest.TestCase):
             cls.forward = collective_sequence(capture.forward)
             cls.backward = collective_sequence(capture.backward)
             cls.counts = (count_collectives(capture.forward), count_collectives(capture.backward))
-        finally:
-            torch._dynamo.reset()
-            dist.destroy_process_group()
 
     def test_dynamo_graph(self) -> None:
         # The root group (never resharded) is a plain autograd-function op; each block's

@@ -15,15 +15,14 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_tests.sharded_model import CONFIG, N_GROUPS, data, make_model
-from fsdp_traceable.inductor_code import CollectiveCopies, collective_copies
-from fsdp_traceable.inductor_options import inductor_options
+from fsdp_traceable.collectives.inductor_options import inductor_options
+from fsdp_traceable.inspect.inductor_code import CollectiveCopies, collective_copies
 from fsdp_traceable.testing import count_collectives
+from fsdp_traceable.testing.fake_world import fake_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +32,19 @@ def _compile_train_step(tmp_dir, options: dict, compiled_autograd: bool = False)
     """Inductor's forward and backward code for one train step of the model."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_dir))
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-        try:
-            with torch._inductor.config.patch(force_disable_caches=True):
-                loss_fn = torch.compile(make_model().loss, fullgraph=True, options=options)
-                backward_context = (
-                    torch._dynamo.compiled_autograd._enable(torch.compile(options=options))
-                    if compiled_autograd else contextlib.nullcontext()
-                )
+        with fake_process_group(2), torch._inductor.config.patch(force_disable_caches=True):
+            loss_fn = torch.compile(make_model().loss, fullgraph=True, options=options)
+            backward_context = (
+                torch._dynamo.compiled_autograd._enable(torch.compile(options=options))
+                if compiled_autograd else contextlib.nullcontext()
+            )
 
-                def step() -> None:
-                    loss = loss_fn(*data())
-                    with backward_context:
-                        loss.backward()
+            def step() -> None:
+                loss = loss_fn(*data())
+                with backward_context:
+                    loss.backward()
 
-                _, codes = run_and_get_code(step)
-        finally:
-            torch._dynamo.reset()
-            dist.destroy_process_group()
+            _, codes = run_and_get_code(step)
     forward, backward = codes
     return forward, backward
 

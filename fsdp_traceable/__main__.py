@@ -1,72 +1,8 @@
-"""Command line: ``python -m fsdp_traceable demo``.
+"""``python -m fsdp_traceable``: see :mod:`fsdp_traceable.cli.main`."""
 
-``demo`` spawns local gloo ranks that all-gather and reduce a small bucket of
-parameters with the library's collectives (see :mod:`fsdp_traceable.demo`).
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-from collections.abc import Sequence
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parses ``argv`` and runs the chosen subcommand.
-
-    Args:
-        argv: command-line arguments without the program name; ``None`` reads ``sys.argv``.
-
-    Returns:
-        The process exit code.
-    """
-    parser = argparse.ArgumentParser(
-        prog="fsdp-traceable", description="FSDP2's collectives as traceable ops"
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="all-gather and reduce a bucket on local gloo ranks")
-    demo.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
-    train = commands.add_parser("train", help="train the built-in transformer with fully_shard")
-    from .train import add_train_arguments
-
-    add_train_arguments(train)
-    bench = commands.add_parser("bench", help="step time vs torch FSDP2 on one workload")
-    add_train_arguments(bench)
-    bench.add_argument("--bench-steps", type=int, default=10, help="timed steps per mode")
-    bench.add_argument("--modes", default=None, help="comma-separated subset of the modes")
-    bench.add_argument("--out", default="benchmarks/results", help="output directory")
-    explain = commands.add_parser(
-        "explain", help="compile a train step on a fake process group and report its graphs"
-    )
-    from .explain import add_explain_arguments, run_explain_command
-
-    add_explain_arguments(explain)
-    args = parser.parse_args(argv)
-    if args.command == "explain":
-        return run_explain_command(args)
-    if args.command == "bench":
-        from .bench import MODES, format_table, run_bench, write_outputs
-        from .train import train_args_from
-
-        modes = tuple(args.modes.split(",")) if args.modes else MODES
-        report = run_bench(train_args_from(args), steps=args.bench_steps, modes=modes)
-        if report:
-            print(format_table(report))
-            print("wrote", ", ".join(write_outputs(report, args.out)))
-        return 0
-    if args.command == "train":
-        from .train import format_summary, train as run_train, train_args_from
-
-        result = run_train(train_args_from(args))
-        if result:
-            print(format_summary(result))
-        return 0
-    if args.command == "demo":
-        from .demo import run_demo
-
-        run_demo(args.world_size)
-    return 0
-
+from .cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,10 +4,13 @@
     ``"auto"`` takes the traced path (functional collectives) while Dynamo or
     compiled autograd is tracing and the eager path (c10d, async work) otherwise;
     ``"traced"`` and ``"eager"`` force one path (the eager path cannot be traced).
-``copy_kernels``: who implements the copy-in / copy-out ops in eager on GPU.
-    ``"inductor"`` (default) runs the aten decomposition (fused by Inductor under
-    compile); ``"foreach"`` uses ``torch._foreach_copy_``-style kernels; ``"triton"``
-    the fused kernels from ``triton_kernels``.
+``copy_kernels``: who implements the copy-in / copy-out ops (see
+    :mod:`fsdp_traceable.collectives.copy_backends`). ``"auto"`` (default) picks the
+    fastest measured one per device and copy: the Triton kernels on a GPU (eager, and
+    per copy under compile), the aten ops elsewhere; ``"inductor"`` runs the aten
+    decomposition (fused by Inductor under compile); ``"foreach"`` uses
+    ``torch._foreach_copy_``-style kernels in eager; ``"triton"`` the fused kernels
+    from ``triton_kernels``.
 ``max_bucket_bytes``: the largest all-gather output or reduce-scatter input one bucket
     (one ``fully_shard`` group) may plan, in bytes; larger buckets are rejected at
     ``fully_shard`` time and before any allocation in the collectives. The default,
@@ -20,7 +23,7 @@ import sys
 from torch.utils._config_module import install_config_module
 
 collectives_path: str = "auto"
-copy_kernels: str = "inductor"
+copy_kernels: str = "auto"
 max_bucket_bytes: int = 2**31 - 1
 
 install_config_module(sys.modules[__name__])

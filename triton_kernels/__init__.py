@@ -3,7 +3,7 @@
 Importing this package registers the ``torch.ops.fsdp_traceable_triton`` ops (see
 :mod:`triton_kernels.ops`); it needs ``triton``. Use :func:`is_available` to test for
 it without importing anything. The usual entry point is
-:mod:`fsdp_traceable.copy_dispatch`, which picks these kernels when
+:mod:`fsdp_traceable.collectives.copy_backends`, which picks these kernels when
 ``fsdp_traceable.config.copy_kernels == "triton"``.
 """
 

@@ -14,25 +14,34 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
+from fsdp_traceable.sizes import ceil_div
+
+from .fields import KIND_BF16, KIND_BYTES, KIND_F16, KIND_F32, ParamRow
 from .layout import ChunkLayout
 from .loader import kernels_module, load_generated
 
 # Sources per generated kernel: CUDA's kernel parameter space (32 KiB on current
 # drivers) and Triton's compile time grow with it; larger buckets take the aten path.
 MAX_GENERATED_SOURCES = 1024
-_POINTERS = {0: "ptr_f32", 1: "ptr_bf16", 2: "ptr_f16", 3: "ptr_bytes"}
+_POINTERS = {KIND_F32: "ptr_f32", KIND_BF16: "ptr_bf16", KIND_F16: "ptr_f16",
+             KIND_BYTES: "ptr_bytes"}
 
-# (first_block, param, col_offset, seg_numel, chunk_numel, numel, out_offset, kind, gap)
-_Entry = tuple[int, int, int, int, int, int, int, int, int]
+class _Entry(NamedTuple):
+    """A parameter with elements: its first program id, index and metadata row."""
+
+    first_block: int
+    param: int
+    row: ParamRow
 
 
 def _entries(layout: ChunkLayout) -> tuple[_Entry, ...]:
     entries, first = [], 0
-    for param, (col, seg, chunk, numel, out, kind, gap) in enumerate(layout.params):
-        if seg:
-            entries.append((first, param, col, seg, chunk, numel, out, kind, gap))
-            first += -(-seg // layout.block)
+    for param, row in enumerate(layout.params):
+        if row.seg_numel:
+            entries.append(_Entry(first, param, row))
+            first += ceil_div(row.seg_numel, layout.block)
     return tuple(entries)
 
 
@@ -42,7 +51,7 @@ def _tree(entries: Sequence[_Entry], depth: int, leaf) -> list[str]:
         return [pad + line for line in leaf(entries[0])]
     mid = len(entries) // 2
     return (
-        [f"{pad}if pid < {entries[mid][0]}:"]
+        [f"{pad}if pid < {entries[mid].first_block}:"]
         + _tree(entries[:mid], depth + 1, leaf)
         + [f"{pad}else:"]
         + _tree(entries[mid:], depth + 1, leaf)
@@ -50,11 +59,12 @@ def _tree(entries: Sequence[_Entry], depth: int, leaf) -> list[str]:
 
 
 def _common_leaf(entry: _Entry) -> list[str]:
-    first, _, col, seg, chunk, numel, out, _, gap = entry
+    row = entry.row
     return [
-        f"first = zero + {first}", f"col = zero64 + {col}", f"seg = zero + {seg}",
-        f"chunk = zero + {chunk}", f"numel = zero + {numel}", f"out_off = zero64 + {out}",
-        f"gap = zero + {gap}",
+        f"first = zero + {entry.first_block}", f"col = zero64 + {row.col_offset}",
+        f"seg = zero + {row.seg_numel}", f"chunk = zero + {row.chunk_numel}",
+        f"numel = zero + {row.numel}", f"out_off = zero64 + {row.out_offset}",
+        f"gap = zero + {row.gap}",
     ]
 
 
@@ -81,15 +91,15 @@ def _module(base: str, signature: str, prologue: str, tree: list[str], epilogue:
 @functools.lru_cache(maxsize=256)
 def _pack_kernel(entries: tuple[_Entry, ...], num_sources: int, world: int, block: int,
                  row_numel: int, byte_mode: bool, interpret: bool):
-    kinds = sorted({e[7] for e in entries})
+    kinds = sorted({e.row.src_kind for e in entries})
     prologue = "".join(
-        f"    {_POINTERS[kind]} = src_{next(e[1] for e in entries if e[7] == kind)}\n"
+        f"    {_POINTERS[kind]} = src_{next(e.param for e in entries if e.row.src_kind == kind)}\n"
         for kind in kinds
     ) + "    kind = zero\n"
 
     def leaf(entry: _Entry) -> list[str]:
-        kind = entry[7]
-        return _common_leaf(entry) + [f"kind = zero + {kind}", f"{_POINTERS[kind]} = src_{entry[1]}"]
+        kind = entry.row.src_kind
+        return _common_leaf(entry) + [f"kind = zero + {kind}", f"{_POINTERS[kind]} = src_{entry.param}"]
 
     epilogue = (
         f"    k = (pid - first) * {block} + tl.arange(0, {block})\n"

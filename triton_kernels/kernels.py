@@ -9,7 +9,8 @@ formula covers the all-gather copy-in (``world = 1``), ``Shard(0)`` (one chunk r
 ``chunk_p = seg_p`` elements: dim-0 padding) and ``Shard(d > 0)`` (``outer`` rows of
 ``chunk_p = size(d) / world * inner`` elements: chunk-cat).
 
-Per-parameter metadata is an int64 ``[P, PARAM_COLS]`` table; the 1-D grid (times
+Per-parameter metadata is an int64 ``[P, PARAM_COLS]`` table of
+:class:`triton_kernels.fields.ParamRow` rows; the 1-D grid (times
 ``world`` on axis 1) walks a precomputed ``[nblocks, 2]`` int32 table of
 ``(param, first element)`` pairs, so a block never spans two parameters.
 
@@ -29,20 +30,22 @@ builtins and functions of this file, never ``triton.language.standard``'s
 import triton
 import triton.language as tl
 
-# Columns of the per-parameter int64 metadata table (GAP: unused elements after the
-# parameter in the unsharded output, at most 16, which the copy-out zeroes).
-COL_OFFSET, SEG_NUMEL, CHUNK_NUMEL, NUMEL, OUT_OFFSET, SRC_KIND, GAP = range(7)
-PARAM_COLS = 7
+from triton_kernels import fields
 
-# Source element kinds (the SRC_KIND column, and the codegen'd kernels' static kinds).
-KIND_F32, KIND_BF16, KIND_F16, KIND_BYTES = 0, 1, 2, 3
-
-# Destination kinds for DST (constexpr).
-DST_F32, DST_BF16, DST_F16, DST_BYTES = 0, 1, 2, 3
-
-# Pre-divide modes (constexpr).
-SCALE_NONE, SCALE_DIVIDE, SCALE_RECIPROCAL = 0, 1, 2
-
+# fields' names as constexprs, the only globals a @triton.jit function may read.
+PARAM_COLS = tl.constexpr(fields.PARAM_COLS)
+COL_OFFSET = tl.constexpr(fields.COL["col_offset"])
+SEG_NUMEL = tl.constexpr(fields.COL["seg_numel"])
+CHUNK_NUMEL = tl.constexpr(fields.COL["chunk_numel"])
+NUMEL = tl.constexpr(fields.COL["numel"])
+OUT_OFFSET = tl.constexpr(fields.COL["out_offset"])
+SRC_KIND = tl.constexpr(fields.COL["src_kind"])
+GAP = tl.constexpr(fields.COL["gap"])
+KIND_F32 = tl.constexpr(fields.KIND_F32)
+KIND_BF16 = tl.constexpr(fields.KIND_BF16)
+KIND_F16 = tl.constexpr(fields.KIND_F16)
+SCALE_DIVIDE = tl.constexpr(fields.SCALE_DIVIDE)
+SCALE_RECIPROCAL = tl.constexpr(fields.SCALE_RECIPROCAL)
 
 @triton.jit
 def chunk_indices(k, rank, seg_numel, chunk_numel, numel, world):
@@ -66,13 +69,13 @@ def segment_indices(block_table, param_meta, world, BLOCK: tl.constexpr):
     rank = tl.program_id(1)
     param = tl.load(block_table + 2 * pid)
     start = tl.load(block_table + 2 * pid + 1)
-    row = param_meta + param.to(tl.int64) * 7
-    col_offset = tl.load(row + 0)
-    seg_numel = tl.load(row + 1).to(tl.int32)
-    chunk_numel = tl.load(row + 2).to(tl.int32)
-    numel = tl.load(row + 3).to(tl.int32)
-    out_offset = tl.load(row + 4)
-    kind = tl.load(row + 5).to(tl.int32)
+    row = param_meta + param.to(tl.int64) * PARAM_COLS
+    col_offset = tl.load(row + COL_OFFSET)
+    seg_numel = tl.load(row + SEG_NUMEL).to(tl.int32)
+    chunk_numel = tl.load(row + CHUNK_NUMEL).to(tl.int32)
+    numel = tl.load(row + NUMEL).to(tl.int32)
+    out_offset = tl.load(row + OUT_OFFSET)
+    kind = tl.load(row + SRC_KIND).to(tl.int32)
     k = start + tl.arange(0, BLOCK)
     idx, in_segment, valid = chunk_indices(k, rank, seg_numel, chunk_numel, numel, world)
     packed = col_offset + k  # column inside the rank's row
@@ -133,9 +136,9 @@ def f32_to_f16_bits(x):
 @triton.jit
 def load_as_f32(ptr, mask, KIND: tl.constexpr, MANUAL_CASTS: tl.constexpr):
     """Loads ``ptr`` (typed pointers of element kind ``KIND``) widened to fp32."""
-    if KIND == 0:
+    if KIND == KIND_F32:
         x = tl.load(ptr, mask=mask, other=0.0)
-    elif KIND == 1:
+    elif KIND == KIND_BF16:
         bits = tl.load(ptr.to(tl.pointer_type(tl.uint16), bitcast=True), mask=mask, other=0)
         x = bf16_bits_to_f32(bits)
     else:
@@ -150,12 +153,12 @@ def load_as_f32(ptr, mask, KIND: tl.constexpr, MANUAL_CASTS: tl.constexpr):
 @triton.jit
 def round_to(x, DST: tl.constexpr, MANUAL_CASTS: tl.constexpr):
     """fp32 -> DST with round-to-nearest-even, then back to fp32 (exact)."""
-    if DST == 1:
+    if DST == KIND_BF16:
         if MANUAL_CASTS:
             y = bf16_bits_to_f32(f32_to_bf16_bits(x))
         else:
             y = x.to(tl.bfloat16).to(tl.float32)
-    elif DST == 2:
+    elif DST == KIND_F16:
         if MANUAL_CASTS:
             y = f16_bits_to_f32(f32_to_f16_bits(x))
         else:
@@ -168,9 +171,9 @@ def round_to(x, DST: tl.constexpr, MANUAL_CASTS: tl.constexpr):
 @triton.jit
 def store_cast(ptr, x, mask, DST: tl.constexpr, MANUAL_CASTS: tl.constexpr):
     """Stores fp32 ``x`` (already representable in DST) to ``ptr`` of kind DST."""
-    if DST == 0:
+    if DST == KIND_F32:
         tl.store(ptr, x, mask=mask)
-    elif DST == 1:
+    elif DST == KIND_BF16:
         if MANUAL_CASTS:
             tl.store(ptr.to(tl.pointer_type(tl.uint16), bitcast=True), f32_to_bf16_bits(x), mask=mask)
         else:
@@ -187,9 +190,9 @@ def cast_scale_store(out_ptr, x, in_segment, scale, DST: tl.constexpr,
                      MANUAL_CASTS: tl.constexpr, SCALE_MODE: tl.constexpr):
     """Casts ``x`` to DST, pre-divides in DST's precision as torch does, stores."""
     y = round_to(x, DST, MANUAL_CASTS)
-    if SCALE_MODE == 1:
+    if SCALE_MODE == SCALE_DIVIDE:
         y = round_to(tl.div_rn(y, scale), DST, MANUAL_CASTS)
-    elif SCALE_MODE == 2:
+    elif SCALE_MODE == SCALE_RECIPROCAL:
         y = round_to(y * scale, DST, MANUAL_CASTS)
     store_cast(out_ptr, y, in_segment, DST, MANUAL_CASTS)
 
@@ -208,14 +211,17 @@ def pack_from_pointer_table(
     base = tl.load(src_addresses + param)
     x = tl.full([BLOCK], 0.0, tl.float32)
     if HAS_F32:
-        if kind == 0:
-            x = load_as_f32(base.to(tl.pointer_type(tl.float32)) + idx, valid, 0, MANUAL_CASTS)
+        if kind == KIND_F32:
+            x = load_as_f32(base.to(tl.pointer_type(tl.float32)) + idx, valid, KIND_F32,
+                            MANUAL_CASTS)
     if HAS_BF16:
-        if kind == 1:
-            x = load_as_f32(base.to(tl.pointer_type(tl.bfloat16)) + idx, valid, 1, MANUAL_CASTS)
+        if kind == KIND_BF16:
+            x = load_as_f32(base.to(tl.pointer_type(tl.bfloat16)) + idx, valid, KIND_BF16,
+                            MANUAL_CASTS)
     if HAS_F16:
-        if kind == 2:
-            x = load_as_f32(base.to(tl.pointer_type(tl.float16)) + idx, valid, 2, MANUAL_CASTS)
+        if kind == KIND_F16:
+            x = load_as_f32(base.to(tl.pointer_type(tl.float16)) + idx, valid, KIND_F16,
+                            MANUAL_CASTS)
     dst = out_ptr + rank.to(tl.int64) * row_numel + packed
     cast_scale_store(dst, x, in_segment, scale, DST, MANUAL_CASTS, SCALE_MODE)
 
@@ -242,9 +248,9 @@ def unpack(in_ptr, out_ptr, param_meta, block_table, row_numel, world, BLOCK: tl
     x = tl.load(in_ptr + rank.to(tl.int64) * row_numel + packed, mask=valid)
     tl.store(out_ptr + out_offset + idx, x, mask=valid)
     # The last block of each parameter zeroes the alignment gap after it.
-    row = param_meta + param.to(tl.int64) * 7
+    row = param_meta + param.to(tl.int64) * PARAM_COLS
     start = tl.load(block_table + 2 * tl.program_id(0) + 1)
-    if (rank == 0) & (start + BLOCK >= tl.load(row + 1)):
+    if (rank == 0) & (start + BLOCK >= tl.load(row + SEG_NUMEL)):
         g = tl.arange(0, 16)
-        gap_ptr = out_ptr + out_offset + tl.load(row + 3) + g
-        tl.store(gap_ptr, tl.full([16], 0, x.dtype), mask=g < tl.load(row + 6))
+        gap_ptr = out_ptr + out_offset + tl.load(row + NUMEL) + g
+        tl.store(gap_ptr, tl.full([16], 0, x.dtype), mask=g < tl.load(row + GAP))

@@ -9,38 +9,43 @@ use the per-bucket kernels of :mod:`triton_kernels.codegen`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import struct
+from collections.abc import Iterator
 
 import torch
 from torch.library import wrap_triton
 
 from . import layout as layouts
 from .codegen import MAX_GENERATED_SOURCES, pack_kernel, unpack_kernel
+from .fields import (
+    KIND_BF16,
+    KIND_BYTES,
+    KIND_F16,
+    KIND_F32,
+    SCALE_DIVIDE,
+    SCALE_NONE,
+    SCALE_RECIPROCAL,
+)
 from .loader import kernels_module
 
-# Kinds as in kernels.py (KIND_F32, KIND_BF16, KIND_F16, KIND_BYTES).
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-KIND_BYTES = 3
-SCALE_NONE, SCALE_DIVIDE, SCALE_RECIPROCAL = 0, 1, 2
-INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _POINTER_TABLE_CACHE_SIZE = 64
 _pointer_tables: collections.OrderedDict = collections.OrderedDict()
 
-# Set to True to run the generated (traced-path) kernels eagerly too: how the tests
-# check them under the CPU interpreter and the benchmarks time them.
+# True runs the generated (traced-path) kernels eagerly too: how the tests check them
+# under the CPU interpreter and the benchmarks time them (see generated_kernels_in_eager).
 always_generated_kernels = False
 
 
-def is_traced(tensors: list[torch.Tensor]) -> bool:
-    """Whether the tensors are being traced (no data pointers to read)."""
-    from torch._subclasses.fake_tensor import is_fake
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    if torch.compiler.is_compiling():
-        return True
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
-        return True
-    return any(is_fake(t) or isinstance(t, FunctionalTensor) for t in tensors)
+@contextlib.contextmanager
+def generated_kernels_in_eager(enabled: bool = True) -> Iterator[None]:
+    """Eager launches in the block use the generated (traced-path) kernels."""
+    global always_generated_kernels
+    saved, always_generated_kernels = always_generated_kernels, enabled
+    try:
+        yield
+    finally:
+        always_generated_kernels = saved
 
 
 def scale_for(predivide_factor: float | None, device: torch.device) -> tuple[int, float]:
@@ -104,7 +109,7 @@ def launch_pack(
     device = out.device
     interpret = device.type == "cpu"
     grid = (layout.num_blocks, layout.world_size)
-    kinds = [row[5] for row in layout.params]
+    kinds = [row.src_kind for row in layout.params]
     if traced or (always_generated_kernels and len(sources) <= MAX_GENERATED_SOURCES):
         kernel = pack_kernel(layout, len(sources), dst_kind == KIND_BYTES, interpret)
         _launcher(kernel, traced)[grid](
@@ -120,7 +125,7 @@ def launch_pack(
         return
     module.pack_from_pointer_table[grid](
         addresses, out, meta, blocks, scale, layout.row_numel, layout.world_size,
-        HAS_F32=0 in kinds, HAS_BF16=1 in kinds, HAS_F16=2 in kinds,
+        HAS_F32=KIND_F32 in kinds, HAS_BF16=KIND_BF16 in kinds, HAS_F16=KIND_F16 in kinds,
         DST=dst_kind, MANUAL_CASTS=interpret, SCALE_MODE=scale_mode, BLOCK=layout.block,
     )
 

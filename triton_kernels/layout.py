@@ -15,30 +15,31 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_traceable.sizes import COPY_OUT_ALIGN_BYTES, aligned_offsets, ceil_div
+
+from .fields import PARAM_COLS, ParamRow
+
 # Lane indices are int32 inside the kernels; larger parameters take the aten path.
 MAX_INDEX = 2**31 - 1
 DEFAULT_BLOCK = 1024
-# Unsharded outputs of the copy-out start on this byte alignment, so a byte buffer
-# (mixed-dtype bucket) can be viewed per parameter as its own dtype and consumers
-# (GEMMs, vectorised kernels) see aligned parameters. At most 16: the copy-out kernel
-# zeroes up to 16 gap elements.
-OUTPUT_ALIGN_BYTES = 16
+# The copy-out kernel zeroes at most 16 gap elements after each parameter.
+assert COPY_OUT_ALIGN_BYTES <= 16
 
 
 @dataclass(frozen=True)
 class ChunkLayout:
     """Where each parameter's elements sit in the packed ``[world, row_numel]`` buffer.
 
-    ``params`` rows follow the kernels' ``PARAM_COLS`` columns: ``(col_offset,
-    seg_numel, chunk_numel, numel, out_offset, src_kind, gap)``. ``blocks`` is the flat
-    ``(param, first element)`` list, one pair per program along grid axis 0.
+    ``params`` holds one :class:`~triton_kernels.fields.ParamRow` per parameter (the
+    rows of the kernels' metadata table). ``blocks`` is the flat ``(param, first
+    element)`` list, one pair per program along grid axis 0.
     """
 
     world_size: int
     block: int
     row_numel: int
     out_numel: int
-    params: tuple[tuple[int, ...], ...]
+    params: tuple[ParamRow, ...]
     blocks: tuple[int, ...]
     fits_int32: bool
 
@@ -48,11 +49,11 @@ class ChunkLayout:
 
     @property
     def out_offsets(self) -> tuple[int, ...]:
-        return tuple(row[4] for row in self.params)
+        return tuple(row.out_offset for row in self.params)
 
     @property
     def numels(self) -> tuple[int, ...]:
-        return tuple(row[3] for row in self.params)
+        return tuple(row.numel for row in self.params)
 
 
 def _build(
@@ -63,13 +64,13 @@ def _build(
     out_align: int,
 ) -> ChunkLayout:
     """``segments``: per parameter ``(seg_numel, chunk_numel, numel)``."""
-    out_offsets, out = output_offsets([numel for _, _, numel in segments], out_align)
+    out_offsets, out = aligned_offsets([numel for _, _, numel in segments], out_align)
     ends = out_offsets[1:] + [out]
     params, blocks = [], []
     col, fits = 0, True
     for index, ((seg, chunk, numel), kind) in enumerate(zip(segments, kinds)):
         gap = ends[index] - out_offsets[index] - numel
-        params.append((col, seg, chunk, numel, out_offsets[index], kind, gap))
+        params.append(ParamRow(col, seg, chunk, numel, out_offsets[index], kind, gap))
         for start in range(0, seg, block):
             blocks += (index, start)
         # Largest lane index: (outer * world + rank) * chunk + rem, plus a block of slack.
@@ -77,17 +78,6 @@ def _build(
         col += seg
     fits &= len(blocks) // 2 <= MAX_INDEX
     return ChunkLayout(world_size, block, col, out, tuple(params), tuple(blocks), fits)
-
-
-def output_offsets(numels: Sequence[int], align: int) -> tuple[list[int], int]:
-    """Offsets of consecutive pieces of ``numels`` elements, each rounded up to a
-    multiple of ``align``, and the end of the last piece."""
-    offsets, out = [], 0
-    for numel in numels:
-        out = -(-out // align) * align
-        offsets.append(out)
-        out += numel
-    return offsets, out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,7 +135,7 @@ def chunk_layout(
     segments = []
     for index, (size, dim) in enumerate(zip(global_sizes, shard_dims)):
         unit = units[index] if units is not None else 1
-        rows = -(-size[dim] // world_size)
+        rows = ceil_div(size[dim], world_size)
         inner = math.prod(size[dim + 1 :]) * unit
         outer = math.prod(size[:dim])
         segments.append((outer * rows * inner, rows * inner, math.prod(size) * unit))
@@ -158,7 +148,7 @@ _DEVICE_TABLES: dict[tuple[int, torch.device], tuple[ChunkLayout, torch.Tensor, 
 
 
 def device_tables(layout: ChunkLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout's ``(param_meta int64 [P, 7], block_table int32 [nblocks, 2])`` on
+    """The layout's ``(param_meta int64 [P, PARAM_COLS], block_table int32 [nblocks, 2])`` on
     ``device``, built on the first call for this layout and device and cached."""
     key = (id(layout), device)
     entry = _DEVICE_TABLES.get(key)
@@ -170,6 +160,6 @@ def device_tables(layout: ChunkLayout, device: torch.device) -> tuple[torch.Tens
 
 def make_tables(layout: ChunkLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh ``(param_meta, block_table)`` tensors on ``device``."""
-    meta = torch.tensor(layout.params, dtype=torch.int64, device=device).view(-1, 7)
+    meta = torch.tensor(layout.params, dtype=torch.int64, device=device).view(-1, PARAM_COLS)
     blocks = torch.tensor(layout.blocks, dtype=torch.int32, device=device).view(-1, 2)
     return meta, blocks

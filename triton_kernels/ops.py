@@ -35,20 +35,12 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from fsdp_traceable.ops import unflatten_sizes
+from fsdp_traceable.sizes import aligned_offsets, copy_out_align, unflatten_sizes
+from fsdp_traceable.tracing import is_tracing
 
 from . import layout as layouts
-from .launch import (
-    INT_OF_SIZE,
-    KIND_BYTES,
-    KINDS,
-    SCALE_NONE,
-    is_traced,
-    launch_pack,
-    launch_unpack,
-    scale_for,
-    traced_fallback,
-)
+from .fields import INT_OF_SIZE, KIND_BYTES, KINDS, SCALE_NONE
+from .launch import launch_pack, launch_unpack, scale_for, traced_fallback
 
 SUPPORTED_DTYPES = tuple(KINDS)
 
@@ -76,7 +68,7 @@ def all_gather_copy_in(
     Returns:
         The flat all-gather input, ``sum(padded_numels)`` elements (bytes for uint8).
     """
-    traced = is_traced(shards)
+    traced = is_tracing(shards)
     plan = None if traced and traced_fallback(shards) else _gather_plan(shards, padded_numels, dtype)
     if plan is None:
         return torch.ops.fsdp_traceable.all_gather_copy_in(shards, padded_numels, dtype)
@@ -90,7 +82,7 @@ def all_gather_copy_in_into(
     shards: list[torch.Tensor], padded_numels: list[int], out: torch.Tensor
 ) -> None:
     """Eager-only: :func:`all_gather_copy_in` written into ``out`` (e.g. this rank's
-    slice of the all-gather output), like ``fsdp_traceable.ops.all_gather_copy_in_into``.
+    slice of the all-gather output), like ``fsdp_traceable.collectives.ops.all_gather_copy_in_into``.
 
     Args:
         shards: this rank's shards, on one device.
@@ -99,9 +91,7 @@ def all_gather_copy_in_into(
     """
     plan = _gather_plan(shards, padded_numels, out.dtype)
     if plan is None or not out.is_contiguous() or out.numel() != plan[1].row_numel:
-        from fsdp_traceable.ops import all_gather_copy_in_into as aten_into
-
-        aten_into(shards, padded_numels, out)
+        out.copy_(torch.ops.fsdp_traceable.all_gather_copy_in(shards, padded_numels, out.dtype))
         return
     flats, layout, dst_kind = plan
     launch_pack(flats, out, layout, dst_kind, SCALE_NONE, 1.0, traced=False)
@@ -125,8 +115,8 @@ def _gather_plan(
         kinds = tuple(KINDS[s.dtype] for s in shards)
         dst_kind = KINDS[dtype]
     layout = layouts.gather_layout(
-        tuple(int(f.numel()) for f in flats),
-        tuple(int(p) * u for p, u in zip(padded_numels, units)),
+        _static(f.numel() for f in flats),
+        _static(p * u for p, u in zip(padded_numels, units)),
         kinds,
         layouts.DEFAULT_BLOCK,
     )
@@ -154,7 +144,8 @@ def reduce_scatter_copy_in(
     Returns:
         The flat reduce-scatter input of ``reduce_dtype``.
     """
-    traced = is_traced(grads)
+    traced = is_tracing(grads)
+    world_size, shard_dims = _static(world_size), _static(shard_dims)
     layout = None
     if not (traced and traced_fallback(grads)):
         layout = _reduce_scatter_layout(grads, world_size, shard_dims, reduce_dtype)
@@ -173,13 +164,23 @@ def _reduce_scatter_layout(
 ) -> layouts.ChunkLayout | None:
     if reduce_dtype not in KINDS or any(g.dtype not in KINDS for g in grads):
         return None
-    sizes = tuple(tuple(int(d) for d in g.shape) for g in grads)
+    sizes = tuple(_static(g.shape) for g in grads)
     dims = _even_shard_dims(sizes, shard_dims, world_size)
     if dims is None:
         return None
     kinds = tuple(KINDS[g.dtype] for g in grads)
     layout = layouts.chunk_layout(sizes, dims, world_size, kinds, layouts.DEFAULT_BLOCK)
     return layout if layout.fits_int32 else None
+
+
+def _static(values) -> tuple[int, ...] | int:
+    """``values`` (an int or ints) as plain ints. A kernel's layout is built from
+    concrete sizes (its metadata are literals or a cached table), so symbolic sizes
+    under ``torch.compile`` with dynamic shapes are specialized here: one guard per
+    size, and the compiled kernel serves that bucket shape."""
+    if isinstance(values, (int, torch.SymInt)):
+        return int(values)
+    return tuple(int(v) for v in values)
 
 
 def _even_shard_dims(
@@ -196,10 +197,6 @@ def _even_shard_dims(
             return None
         dims.append(dim)
     return tuple(dims)
-
-
-def _copy_out_align(byte_mode: bool, itemsize: int) -> int:
-    return layouts.OUTPUT_ALIGN_BYTES if byte_mode else max(1, layouts.OUTPUT_ALIGN_BYTES // itemsize)
 
 
 @triton_op("fsdp_traceable_triton::all_gather_copy_out", mutates_args=())
@@ -230,16 +227,17 @@ def all_gather_copy_out(
     """
     byte_mode = all_gather_output.dtype == torch.uint8
     itemsize = all_gather_output.element_size()
-    sizes = tuple(tuple(s) for s in unflatten_sizes(global_sizes_flat, ndims))
+    world_size, shard_dims = _static(world_size), _static(shard_dims)
+    sizes = tuple(_static(s) for s in unflatten_sizes(global_sizes_flat, _static(ndims)))
     dims = _even_shard_dims(sizes, shard_dims, world_size)
-    units = tuple(int(i) for i in itemsizes) if byte_mode else None
+    units = _static(itemsizes) if byte_mode else None
     layout = None
     if dims is not None and itemsize in INT_OF_SIZE:
         kinds = (KIND_BYTES,) * len(sizes)
         layout = layouts.chunk_layout(sizes, dims, world_size, kinds, layouts.DEFAULT_BLOCK,
-                                      units=units, out_align=_copy_out_align(byte_mode, itemsize))
+                                      units=units, out_align=copy_out_align(itemsize, byte_mode))
     device = all_gather_output.device
-    traced = is_traced([all_gather_output])
+    traced = is_tracing([all_gather_output])
     if layout is None or not layout.fits_int32 or (traced and device.type == "cpu"):
         return _copy_out_reference(all_gather_output, world_size, global_sizes_flat, ndims,
                                    shard_dims, itemsizes)
@@ -266,8 +264,8 @@ def _copy_out_reference(
     outputs = torch.ops.fsdp_traceable.all_gather_copy_out(
         all_gather_output, world_size, global_sizes_flat, ndims, shard_dims, dtypes)
     flats = [o.reshape(-1).view(dtype) if byte_mode else o.reshape(-1) for o in outputs]
-    offsets, end = layouts.output_offsets(
-        [f.numel() for f in flats], _copy_out_align(byte_mode, all_gather_output.element_size()))
+    offsets, end = aligned_offsets(
+        [f.numel() for f in flats], copy_out_align(all_gather_output.element_size(), byte_mode))
     pieces = []
     for i, flat in enumerate(flats):
         pieces.append(flat)
@@ -298,7 +296,7 @@ def unsharded_views(
     sizes = unflatten_sizes(global_sizes_flat, ndims)
     numels = [math.prod(size) * (dtype.itemsize if byte_mode else 1)
               for size, dtype in zip(sizes, dtypes)]
-    offsets, _ = layouts.output_offsets(numels, _copy_out_align(byte_mode, flat.element_size()))
+    offsets, _ = aligned_offsets(numels, copy_out_align(flat.element_size(), byte_mode))
     views = []
     for size, dtype, offset, numel in zip(sizes, dtypes, offsets, numels):
         piece = flat.narrow(0, offset, numel)

@@ -1,0 +1,236 @@
+"""``python -m fsdp_traceable bench``: one workload under torch FSDP2 and fsdp_traceable.
+
+Every mode runs the same model, data and optimizer in the same run on the same ranks:
+torch FSDP2 eager, FSDP2 with per-block ``torch.compile``, fsdp_traceable eager,
+whole-model compile, and compile + compiled autograd; plus compute-only (unsharded,
+no communication) and communication-only (the same collectives, no compute), whose
+maximum is the step time perfect overlap would reach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+from ..collectives import foreach_all_gather_copy_out, foreach_reduce
+from ..fsdp import FSDPModule
+from ..fsdp import fully_shard as ours_fully_shard
+from ..models.transformer import Transformer, shard_transformer
+from .launch import resolve_device, run_on_ranks
+from .memory import peak_allocated_bytes
+from .train import TrainArgs, batch_for, mp_policy_for
+
+MODES = (
+    "fsdp2-eager", "fsdp2-compile-blocks", "eager", "compile", "compile-ca",
+    "compute-only", "compute-only-compiled", "comm-only",
+)
+
+
+def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
+    """``(step_fn, model)`` for ``mode``; ``step_fn(step)`` runs one training step."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = mesh.device_type
+    model = copy.deepcopy(base)
+    policy = mp_policy_for(args)
+    if mode.startswith("fsdp2"):
+        shard_transformer(model, fsdp2_fully_shard, mesh=mesh, mp_policy=policy)
+        if mode == "fsdp2-compile-blocks":
+            for layer in model.layers:
+                layer.compile()
+    elif mode in ("eager", "compile", "compile-ca", "comm-only"):
+        shard_transformer(model, ours_fully_shard, mesh=mesh, mp_policy=policy)
+    elif args.mp == "bf16":  # the unsharded compute-only modes compute in bf16 too
+        model.to(torch.bfloat16)
+    if mode == "comm-only":
+        return _comm_only_step(model, device), model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loss_fn = model.loss
+    if mode in ("compile", "compile-ca", "compute-only-compiled"):
+        loss_fn = torch.compile(model.loss, fullgraph=True)
+    backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    if mode == "compile-ca":
+        compiler = torch.compile(backend="inductor", fullgraph=True)
+        backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
+
+    def step_fn(step: int) -> None:
+        loss = loss_fn(*batch_for(args, step, rank, world_size, device))
+        with backward_context():
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step_fn, model
+
+
+def _comm_only_step(model: Transformer, device: str) -> Callable[[int], None]:
+    """The collectives of one eager step, with no compute between them."""
+    groups = [m._fsdp_group for m in model.modules() if isinstance(m, FSDPModule)]
+    grads = {
+        id(g): [torch.zeros(i.global_size, dtype=i.param_dtype, device=device) for i in g.infos]
+        for g in groups
+    }
+
+    def step_fn(step: int) -> None:
+        for group in groups:
+            foreach_all_gather_copy_out(group.start_all_gather())
+        for group in reversed(groups):
+            if group.reshard_after_forward:
+                foreach_all_gather_copy_out(group.start_all_gather())
+            foreach_reduce(grads[id(group)], group.infos, group.shard_group)
+
+    return step_fn
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _bench_rank(args: TrainArgs, modes: tuple[str, ...], steps: int, result_path: str) -> None:
+    device = resolve_device(args.device)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        base = Transformer(args.config)
+    results = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        step_fn, _ = _make_step(mode, base, args, mesh)
+        _synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        step_fn(0)
+        _synchronize(device)
+        first_step = time.perf_counter() - start
+        step_fn(1)  # second warm-up: lazy state, allocator, caches
+        times = []
+        for step in range(2, 2 + steps):
+            _synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            step_fn(step)
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+        # Slowest rank decides the step time.
+        median = torch.tensor([statistics.median(times)], device=device)
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        # When gloo's threads free a finished collective's buffers varies and only adds
+        # to a step's peak: the least disturbed of 3 steps.
+        peak = min(peak_allocated_bytes(lambda: step_fn(3 + steps + i), device)
+                   for i in range(3))
+        results[mode] = {
+            "median_step_ms": median.item() * 1e3,
+            "first_step_s": first_step,
+            "peak_bytes": peak,
+            "steps": steps,
+        }
+        if dist.get_rank() == 0:
+            print(f"{mode:24s} {median.item() * 1e3:8.1f} ms/step  first {first_step:6.2f} s",
+                  flush=True)
+    if dist.get_rank() == 0:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+
+
+def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] = MODES) -> dict:
+    """Runs every mode on the same ranks and returns rank 0's figures.
+
+    Returns:
+        ``{"args": ..., "modes": {mode: {median_step_ms, first_step_s, peak_bytes,
+        ratio_to_fsdp2_eager}}, "overlap_limit_ms": ..., ...}``.
+    """
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown bench modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        # An empty Inductor cache, so first-step times include the whole compile.
+        previous_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")
+        try:
+            run_on_ranks(_bench_rank, args, modes, steps, path, world_size=args.world_size,
+                         device=args.device)
+        finally:
+            if previous_cache is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous_cache
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            figures = json.load(f)
+    baseline = figures.get("fsdp2-eager", {}).get("median_step_ms")
+    for row in figures.values():
+        row["ratio_to_fsdp2_eager"] = row["median_step_ms"] / baseline if baseline else None
+    report = {"args": asdict(args), "modes": figures}
+    limits = {}
+    comm = figures.get("comm-only", {}).get("median_step_ms")
+    for kind, compute_mode in (("eager", "compute-only"), ("compiled", "compute-only-compiled")):
+        compute = figures.get(compute_mode, {}).get("median_step_ms")
+        if comm and compute:
+            limits[kind] = max(comm, compute)
+    report["overlap_limit_ms"] = limits
+    return report
+
+
+def format_table(report: dict) -> str:
+    limits = report["overlap_limit_ms"]
+    lines = [
+        "| mode | median step (ms) | vs FSDP2 eager | vs overlap limit | first step (s) | peak memory (MB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mode, row in report["modes"].items():
+        limit = limits.get("compiled" if mode in ("compile", "compile-ca") else "eager")
+        versus_limit = (
+            f"{row['median_step_ms'] / limit:.2f}x"
+            if limit and mode in ("eager", "compile", "compile-ca") else ""
+        )
+        ratio = row.get("ratio_to_fsdp2_eager")
+        lines.append(
+            f"| {mode} | {row['median_step_ms']:.1f} | {f'{ratio:.2f}x' if ratio else ''} | "
+            f"{versus_limit} | {row['first_step_s']:.2f} | {row['peak_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(report: dict, out_dir: str) -> list[str]:
+    """Writes ``bench.md``, ``bench.json`` and (with matplotlib) ``bench.png`` to ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "bench.json"), os.path.join(out_dir, "bench.md")]
+    with open(paths[0], "w") as f:
+        json.dump(report, f, indent=2)
+    with open(paths[1], "w") as f:
+        f.write(format_table(report) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    modes = list(report["modes"])
+    values = [report["modes"][m]["median_step_ms"] for m in modes]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(modes, values, color=["#888" if m.startswith("fsdp2") else "#2a7" for m in modes])
+    for kind, limit in report["overlap_limit_ms"].items():
+        ax.axvline(limit, linestyle="--", color="#c33" if kind == "eager" else "#36c",
+                   label=f"overlap limit ({kind})")
+    ax.invert_yaxis()
+    ax.set_xlabel("median step time (ms, lower is better)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "bench.png"))
+    fig.savefig(paths[-1], dpi=120)
+    return paths

@@ -1,0 +1,224 @@
+"""``python -m fsdp_traceable train``: the built-in transformer trained with fully_shard."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..fsdp import fully_shard
+from ..models.transformer import Transformer, TransformerConfig, shard_transformer
+from .data import synthetic_batch
+from .launch import resolve_device, run_on_ranks
+
+MODES = ("eager", "compile", "compile-ca")
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    mode: str = "eager"
+    steps: int = 20
+    mp: str | None = None
+    hsdp: bool = False
+    world_size: int = 2
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    vocab_size: int = 256
+    seq_len: int = 64
+    batch_size: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+    device: str = "auto"
+
+    @property
+    def config(self) -> TransformerConfig:
+        return TransformerConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=self.layers,
+                                 n_heads=self.heads, max_seq_len=self.seq_len)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainArgs()
+    parser.add_argument("--mode", choices=MODES, default=defaults.mode,
+                        help="eager (c10d), compile (whole-model torch.compile), compile-ca "
+                             "(+ compiled autograd)")
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--mp", choices=["bf16"], default=None, help="bf16 mixed precision")
+    parser.add_argument("--hsdp", action="store_true", help="2-D mesh (replicate, shard)")
+    parser.add_argument("--world-size", type=int, default=defaults.world_size,
+                        help="local gloo ranks to spawn when not under torchrun")
+    for name in ("dim", "layers", "heads", "vocab_size", "seq_len", "batch_size", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
+                        help="auto: cuda under torchrun on a GPU machine, else cpu; cuda "
+                             "without torchrun spawns one NCCL rank per GPU")
+
+
+def train_args_from(namespace: argparse.Namespace) -> TrainArgs:
+    fields = TrainArgs.__dataclass_fields__
+    args = TrainArgs(**{k: v for k, v in vars(namespace).items() if k in fields})
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.dim % args.heads:
+        raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+    if args.hsdp and args.world_size % 2:
+        raise ValueError(f"--hsdp needs an even world size, got {args.world_size}")
+    return args
+
+
+def build_model(args: TrainArgs, device: str) -> Transformer:
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = Transformer(args.config)
+    world_size = dist.get_world_size()
+    mesh = (
+        init_device_mesh(device, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        if args.hsdp else init_device_mesh(device, (world_size,))
+    )
+    return shard_transformer(model, fully_shard, mesh=mesh, mp_policy=mp_policy_for(args))
+
+
+def mp_policy_for(args: TrainArgs) -> MixedPrecisionPolicy:
+    """``--mp bf16``: bf16 parameters and compute, fp32 gradient reduction."""
+    if args.mp == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def batch_for(args: TrainArgs, step: int, rank: int, world_size: int, device: str):
+    tokens, targets = synthetic_batch(step, rank, world_size, batch_size=args.batch_size,
+                                      seq_len=args.seq_len, vocab_size=args.vocab_size,
+                                      seed=args.seed)
+    return tokens.to(device), targets.to(device)
+
+
+def reference_losses(args: TrainArgs, world_size: int) -> list[float]:
+    """The same steps on one unsharded fp32 model fed every rank's batch."""
+    torch.manual_seed(args.seed)
+    model = Transformer(args.config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for step in range(args.steps):
+        loss = torch.stack([
+            model.loss(*batch_for(args, step, r, world_size, "cpu")) for r in range(world_size)
+        ]).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_rank(args: TrainArgs, result_path: str) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = resolve_device(args.device)
+    model = build_model(args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    forward_counter = CompileCounterWithBackend("inductor")
+    backward_counter = CompileCounterWithBackend("inductor")
+    loss_fn = model.loss
+    backward_context = contextlib.nullcontext
+    if args.mode != "eager":
+        loss_fn = torch.compile(model.loss, backend=forward_counter, fullgraph=True)
+    if args.mode == "compile-ca":
+        compiler = torch.compile(backend=backward_counter, fullgraph=True)
+        backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
+    losses, step_times = [], []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        loss = loss_fn(*batch_for(args, step, rank, world_size, device))
+        with backward_context():
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean_loss = loss.detach().float().clone()
+        dist.all_reduce(mean_loss)
+        step_times.append(time.perf_counter() - start)
+        losses.append(mean_loss.item() / world_size)
+        if rank == 0:
+            _progress(step + 1, args.steps, losses[-1], step_times[-1])
+    if rank == 0:
+        print(file=sys.stderr)
+        result = {
+            "losses": losses,
+            "step_times_s": step_times,
+            "forward_graphs": forward_counter.frame_count,
+            "backward_graphs": backward_counter.frame_count,
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": list(counters["graph_break"]),
+            "recompiles": max(0, forward_counter.frame_count - 1)
+            + max(0, backward_counter.frame_count - 1),
+        }
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+
+
+def _progress(step: int, steps: int, loss: float, step_time: float) -> None:
+    width = 30
+    filled = width * step // steps
+    bar = "#" * filled + "-" * (width - filled)
+    print(f"\r[{bar}] step {step}/{steps}  loss {loss:.4f}  {step_time * 1e3:7.1f} ms/step",
+          end="", file=sys.stderr, flush=True)
+
+
+def train(args: TrainArgs) -> dict:
+    """Trains on every rank and returns rank 0's summary (with the unsharded reference).
+
+    Args:
+        args: the run's settings.
+
+    Returns:
+        A dict with per-step losses and times, the reference losses, the final loss
+        difference, and for compiled modes the graph, graph-break and recompile counts.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        run_on_ranks(_train_rank, args, result_path, world_size=args.world_size,
+                     device=args.device)
+        if not os.path.exists(result_path):  # another rank of a torchrun job
+            return {}
+        with open(result_path) as f:
+            result = json.load(f)
+    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+    reference = reference_losses(args, world_size)
+    result["reference_losses"] = reference
+    result["final_loss_difference"] = result["losses"][-1] - reference[-1]
+    result["args"] = asdict(args)
+    return result
+
+
+def format_summary(result: dict) -> str:
+    args = result["args"]
+    steady = sorted(result["step_times_s"][1:] or result["step_times_s"])
+    lines = [
+        f"mode {args['mode']}, {args['steps']} steps, world size "
+        f"{args['world_size']}{' (HSDP)' if args['hsdp'] else ''}"
+        f"{', bf16 mixed precision' if args['mp'] else ''}",
+        f"final loss           {result['losses'][-1]:.6f}  (first {result['losses'][0]:.4f}, "
+        f"log(vocab) {math.log(args['vocab_size']):.4f})",
+        f"unsharded reference  {result['reference_losses'][-1]:.6f}  "
+        f"(difference {result['final_loss_difference']:+.2e})",
+        f"step time            first {result['step_times_s'][0] * 1e3:.1f} ms, median after "
+        f"{steady[len(steady) // 2] * 1e3:.1f} ms",
+    ]
+    if args["mode"] != "eager":
+        lines.append(
+            f"compiled             {result['forward_graphs']} forward graph(s), "
+            f"{result['backward_graphs']} compiled-autograd graph(s), "
+            f"{result['graph_breaks']} graph break(s), {result['recompiles']} recompile(s)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Bucketed all-gather: :func:`foreach_all_gather` and :func:`foreach_all_gather_copy_out`.
+
+FSDP2's ``foreach_all_gather`` on plain tensors plus
+:class:`~fsdp_traceable.collectives.shard_info.ShardInfo` metadata instead of
+``FSDPParam``: functional collectives while tracing, async c10d in eager (see
+:mod:`~fsdp_traceable.collectives.comm`); the copies come from the backend
+``config.copy_kernels`` picks, which all compute the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..sizes import flatten_sizes
+from . import comm, copy_backends
+from .shard_info import ShardInfo
+from .validation import check_bucket, check_bucket_bytes
+
+__all__ = ["AllGatherResult", "foreach_all_gather", "foreach_all_gather_copy_out"]
+
+
+class AllGatherResult(NamedTuple):
+    """An all-gather in flight; pass it to :func:`foreach_all_gather_copy_out`."""
+
+    pending: comm.PendingTensor
+    infos: tuple[ShardInfo, ...]
+    streams: comm.DeviceStreams | None
+
+
+def all_gather_dtype(infos: Sequence[ShardInfo]) -> torch.dtype:
+    """The bucket's all-gather dtype: the common ``param_dtype``, or ``uint8`` if mixed."""
+    dtypes = {info.param_dtype for info in infos}
+    return dtypes.pop() if len(dtypes) == 1 else torch.uint8
+
+
+@torch.no_grad()
+def foreach_all_gather(
+    sharded_tensors: Sequence[torch.Tensor],
+    infos: Sequence[ShardInfo],
+    group: dist.ProcessGroup,
+    *,
+    streams: comm.DeviceStreams | None = None,
+) -> AllGatherResult:
+    """Copies this rank's shards into one buffer and starts one all-gather of it.
+
+    Args:
+        sharded_tensors: this rank's shards, ``info.sharded_size`` each (unpadded;
+            the copy-in pads and casts to ``info.param_dtype``).
+        infos: one :class:`ShardInfo` per shard.
+        group: the shard process group.
+        streams: eager-only copy-in stream holder for devices with streams.
+
+    Returns:
+        The in-flight :class:`AllGatherResult`; compute may run before copy-out.
+    """
+    check_bucket(sharded_tensors, infos, group, tensors_name="sharded_tensors", expect="sharded")
+    check_bucket_bytes(infos)
+    dtype = all_gather_dtype(infos)
+    padded_numels = [info.padded_sharded_numel for info in infos]
+    traced = comm.use_traced_path()
+    inputs = list(sharded_tensors)
+    if dtype == torch.uint8:
+        # The byte path reinterprets each shard as it is: cast to its param_dtype first.
+        inputs = [t.to(i.param_dtype) for t, i in zip(inputs, infos)]
+    if traced:
+        flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
+        return AllGatherResult(comm.all_gather(flat_input, group), tuple(infos), None)
+    # Eager: copy straight into this rank's slice of the output, as FSDP2 does, so an
+    # in-flight all-gather holds one buffer, not two.
+    input_numel = sum(
+        n * (t.element_size() if dtype == torch.uint8 else 1)
+        for n, t in zip(padded_numels, inputs)
+    )
+    with streams.copy_in_context() if streams is not None else contextlib.nullcontext():
+        output = torch.empty(
+            input_numel * infos[0].world_size, dtype=dtype, device=inputs[0].device
+        )
+        flat_input = output.narrow(0, input_numel * infos[0].rank, input_numel)
+        copy_backends.all_gather_copy_in_into(inputs, padded_numels, flat_input)
+        pending = comm.all_gather_into(output, flat_input, group)
+    return AllGatherResult(pending, tuple(infos), streams)
+
+
+@torch.no_grad()
+def foreach_all_gather_copy_out(result: AllGatherResult) -> list[torch.Tensor]:
+    """Waits for the all-gather and unpacks it into unsharded tensors.
+
+    Args:
+        result: what :func:`foreach_all_gather` returned.
+
+    Returns:
+        One unsharded tensor per parameter, ``info.global_size`` and
+        ``info.param_dtype`` each, freshly allocated.
+    """
+    output = comm.wait(result.pending)
+    if result.streams is not None:
+        result.streams.consume(output)
+    infos = result.infos
+    sizes_flat, ndims = flatten_sizes([info.global_size for info in infos])
+    return copy_backends.all_gather_copy_out(
+        output,
+        infos[0].world_size,
+        sizes_flat,
+        ndims,
+        [info.shard_dim for info in infos],
+        [info.param_dtype for info in infos],
+    )

@@ -1,0 +1,128 @@
+"""The two implementations of each collective behind one call.
+
+Traced: functional collectives (``torch.ops._c10d_functional``), which Dynamo,
+AOTAutograd, compiled autograd and Inductor trace and schedule. Eager: c10d with
+``async_op=True`` into preallocated outputs. Both call the same backend kernel on the
+same input, so their results are bitwise identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .. import config
+from ..tracing import is_tracing
+
+_C10D_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+
+
+def use_traced_path() -> bool:
+    """Whether the collectives run as functional collectives right now."""
+    path = config.collectives_path
+    if path == "auto":
+        return is_tracing()
+    if path not in ("traced", "eager"):
+        raise ValueError(
+            f"fsdp_traceable.config.collectives_path={path!r}; use 'auto', 'traced' or 'eager'"
+        )
+    return path == "traced"
+
+
+class PendingTensor(NamedTuple):
+    """A collective's output, valid once :func:`wait` returns it."""
+
+    tensor: torch.Tensor
+    work: dist.Work | None
+
+
+def wait(pending: PendingTensor) -> torch.Tensor:
+    if pending.work is not None:
+        pending.work.wait()
+        return pending.tensor
+    if use_traced_path() or isinstance(pending.tensor, funcol.AsyncCollectiveTensor):
+        return funcol.wait_tensor(pending.tensor)
+    return pending.tensor
+
+
+def _group_name(group: dist.ProcessGroup) -> str:
+    return funcol._resolve_group_name(group)
+
+
+def all_gather(flat_input: torch.Tensor, group: dist.ProcessGroup) -> PendingTensor:
+    """Starts an all-gather of ``flat_input`` into ``[world_size * numel]``."""
+    if use_traced_path():
+        # The raw op, not funcol.all_gather_single: while tracing, the latter waits
+        # right away, which would serialise the all-gather with the compute the
+        # caller runs before copy-out. The wait is in :func:`wait`.
+        output = torch.ops._c10d_functional.all_gather_into_tensor(
+            flat_input, group.size(), _group_name(group)
+        )
+        return PendingTensor(output, None)
+    output = flat_input.new_empty(flat_input.numel() * group.size())
+    return all_gather_into(output, flat_input, group)
+
+
+def all_gather_into(
+    output: torch.Tensor, flat_input: torch.Tensor, group: dist.ProcessGroup
+) -> PendingTensor:
+    """Eager: starts an async c10d all-gather of ``flat_input`` into ``output``
+    (``flat_input`` may be this rank's slice of ``output``, FSDP2's in-place layout)."""
+    work = dist.all_gather_into_tensor(output, flat_input, group=group, async_op=True)
+    return PendingTensor(output, work)
+
+
+def reduce_scatter(flat_input: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
+    """Reduce-scatters ``flat_input`` with ``op`` (``"sum"`` or ``"avg"``) and waits."""
+    if use_traced_path():
+        # Raw ops and one explicit wait (funcol's wrappers already wait while tracing).
+        output = torch.ops._c10d_functional.reduce_scatter_tensor(
+            flat_input, op, group.size(), _group_name(group)
+        )
+        return funcol.wait_tensor(output)
+    output = flat_input.new_empty(flat_input.numel() // group.size())
+    dist.reduce_scatter_tensor(output, flat_input, op=_C10D_OPS[op], group=group)
+    return output
+
+
+def all_reduce(tensor: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-reduces ``tensor`` out of place with ``op`` and waits."""
+    if use_traced_path():
+        output = torch.ops._c10d_functional.all_reduce(tensor, op, _group_name(group))
+        return funcol.wait_tensor(output)
+    output = tensor.clone()
+    dist.all_reduce(output, op=_C10D_OPS[op], group=group)
+    return output
+
+
+class DeviceStreams:
+    """Copy-in and communication streams where the device has streams; no-ops on CPU.
+
+    The copy-in of the next bucket runs on its own stream so it can overlap the
+    current compute; the consumer waits on the recorded event before reading.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        module = getattr(torch, device.type, None)
+        self._has_streams = device.type != "cpu" and hasattr(module, "Stream")
+        self.copy_in = module.Stream(device=device) if self._has_streams else None
+
+    def copy_in_context(self) -> contextlib.AbstractContextManager:
+        """Runs the copy-in (and the collective that reads it) on the copy-in stream."""
+        if not self._has_streams:
+            return contextlib.nullcontext()
+        self.copy_in.wait_stream(torch.get_device_module(self.device.type).current_stream())
+        return torch.get_device_module(self.device.type).stream(self.copy_in)
+
+    def consume(self, tensor: torch.Tensor) -> None:
+        """Makes the current stream wait for the copy-in stream's work on ``tensor``."""
+        if not self._has_streams:
+            return
+        current = torch.get_device_module(self.device.type).current_stream()
+        current.wait_stream(self.copy_in)
+        tensor.record_stream(current)

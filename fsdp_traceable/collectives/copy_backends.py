@@ -1,0 +1,282 @@
+"""Who implements the copies around the collectives: one table, ``config.copy_kernels``.
+
+Every backend offers the same four functions with the arguments and bits of the
+``torch.ops.fsdp_traceable`` ops, so callers use whichever :func:`backend_for` picks:
+
+* ``"auto"`` (default): the fastest measured backend for the device and the copy
+  (:data:`AUTO_TRACED_GPU` and :func:`auto_backend`): on a GPU with Triton, the
+  table-driven Triton kernels in eager, and under ``torch.compile`` the Triton op or
+  Inductor's fusion per copy; elsewhere ``"inductor"``.
+* ``"inductor"``: the ``torch.ops.fsdp_traceable`` ops (aten ops in eager,
+  fused into one Inductor kernel per bucket under ``torch.compile``). It serves
+  everything, and is what the other backends fall back to.
+* ``"triton"``: the ``torch.ops.fsdp_traceable_triton`` ops (one Triton kernel per
+  bucket, eager and under ``torch.compile``) for tensors on a GPU. On CPU it serves
+  only eager calls with ``TRITON_INTERPRET=1`` set (the Triton interpreter: exact but
+  slow, for testing); Triton kernels cannot run under ``torch.compile`` there.
+* ``"foreach"``: :mod:`fsdp_traceable.collectives.foreach_copies` (FSDP2-style
+  ``_foreach_copy_`` / ``split_with_sizes_copy`` / ``_chunk_cat(out=)`` into
+  preallocated buffers), in eager only: ``out=`` buffers are what the traced path avoids.
+
+The copy-out may return views of one shared buffer (``"triton"``, ``"foreach"``);
+they never overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import config
+from ..tracing import is_tracing
+from . import foreach_copies
+from . import ops as aten_ops
+
+_TRITON_DEVICES = ("cuda", "xpu")
+
+
+@dataclass(frozen=True)
+class CopyBackend:
+    """One implementation of the copies; each function has its op's signature.
+
+    ``serves(tensors)`` says whether it can run on these tensors right now (device,
+    tracing); ``all_gather_copy_in_into`` is eager-only and writes into ``out``.
+    """
+
+    name: str
+    serves: Callable[[Sequence[torch.Tensor]], bool]
+    all_gather_copy_in: Callable[..., torch.Tensor]
+    all_gather_copy_in_into: Callable[..., None]
+    all_gather_copy_out: Callable[..., list[torch.Tensor]]
+    reduce_scatter_copy_in: Callable[..., torch.Tensor]
+
+
+def _aten_copy_out(output, world_size, global_sizes_flat, ndims, shard_dims, dtypes):
+    return torch.ops.fsdp_traceable.all_gather_copy_out(
+        output, world_size, list(global_sizes_flat), list(ndims), list(shard_dims), list(dtypes))
+
+
+ATEN = CopyBackend(
+    name="inductor",
+    serves=lambda tensors: True,
+    all_gather_copy_in=lambda shards, padded_numels, dtype: (
+        torch.ops.fsdp_traceable.all_gather_copy_in(list(shards), list(padded_numels), dtype)),
+    all_gather_copy_in_into=aten_ops.all_gather_copy_in_into,
+    all_gather_copy_out=_aten_copy_out,
+    reduce_scatter_copy_in=lambda grads, world_size, shard_dims, reduce_dtype, predivide: (
+        torch.ops.fsdp_traceable.reduce_scatter_copy_in(
+            list(grads), world_size, list(shard_dims), reduce_dtype, predivide)),
+)
+
+FOREACH = CopyBackend(
+    name="foreach",
+    serves=lambda tensors: not is_tracing(tensors),
+    all_gather_copy_in=foreach_copies.all_gather_copy_in,
+    all_gather_copy_in_into=foreach_copies.all_gather_copy_in_into,
+    all_gather_copy_out=foreach_copies.all_gather_copy_out,
+    reduce_scatter_copy_in=foreach_copies.reduce_scatter_copy_in,
+)
+
+
+def _triton_serves(tensors: Sequence[torch.Tensor]) -> bool:
+    device = tensors[0].device
+    if device.type == "cpu":
+        return not is_tracing(tensors) and os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type in _TRITON_DEVICES
+
+
+def _triton_module():
+    try:
+        import triton_kernels
+    except ImportError as error:
+        raise RuntimeError(
+            "fsdp_traceable.config.copy_kernels='triton' needs the triton package: "
+            "install triton, or set copy_kernels to 'inductor' or 'foreach'"
+        ) from error
+    if not triton_kernels.is_available():
+        raise RuntimeError(
+            "fsdp_traceable.config.copy_kernels='triton' needs the triton package: "
+            "install triton, or set copy_kernels to 'inductor' or 'foreach'"
+        )
+    return triton_kernels
+
+
+def _triton_copy_in(shards, padded_numels, dtype):
+    return _triton_module().all_gather_copy_in(list(shards), list(padded_numels), dtype)
+
+
+def _triton_copy_in_into(shards, padded_numels, out):
+    _triton_module().all_gather_copy_in_into(list(shards), list(padded_numels), out)
+
+
+def _triton_copy_out(output, world_size, global_sizes_flat, ndims, shard_dims, dtypes):
+    kernels = _triton_module()
+    sizes, dims = list(global_sizes_flat), list(ndims)
+    flat = kernels.all_gather_copy_out(
+        output, world_size, sizes, dims, list(shard_dims), [d.itemsize for d in dtypes])
+    return kernels.unsharded_views(flat, sizes, dims, list(dtypes))
+
+
+def _triton_reduce_scatter_copy_in(grads, world_size, shard_dims, reduce_dtype, predivide):
+    return _triton_module().reduce_scatter_copy_in(
+        list(grads), world_size, list(shard_dims), reduce_dtype, predivide)
+
+
+TRITON = CopyBackend(
+    name="triton",
+    serves=_triton_serves,
+    all_gather_copy_in=_triton_copy_in,
+    all_gather_copy_in_into=_triton_copy_in_into,
+    all_gather_copy_out=_triton_copy_out,
+    reduce_scatter_copy_in=_triton_reduce_scatter_copy_in,
+)
+
+COPY_BACKENDS: dict[str, CopyBackend] = {b.name: b for b in (ATEN, TRITON, FOREACH)}
+COPY_KERNELS = ("auto", *COPY_BACKENDS)
+
+# "auto" under torch.compile on a GPU: per copy, the faster of Inductor's fusion of the
+# aten decomposition and the Triton op (its per-bucket generated kernel), from one
+# H200 (world 8, fp32 shards -> bf16, % of HBM peak; benchmarks/gpu_check.py):
+#   all-gather copy-in, 100 params:     Inductor 16%, Triton 25%
+#   all-gather copy-out, 9 params:      Inductor 59%, Triton 84%
+#   all-gather copy-out, 100 params:    Inductor 43%, Triton 19%
+#   reduce-scatter copy-in, 9 params:   Inductor 8%,  Triton 88%
+#   reduce-scatter copy-in, 100 params: Inductor 29%, Triton 24%
+# The reduce-scatter copy-in takes Triton at every size: its kernel rounds the cast
+# before the pre-divide as eager does, where Inductor fuses the two (not bitwise).
+# A copy-out of more than this many parameters takes Inductor.
+AUTO_TRACED_COPY_OUT_MAX_PARAMS = 16
+AUTO_TRACED_GPU = {
+    "all_gather_copy_in": "triton",
+    "all_gather_copy_out": "triton",
+    "reduce_scatter_copy_in": "triton",
+}
+
+
+def triton_importable() -> bool:
+    """Whether the ``triton`` package (and so :mod:`triton_kernels`) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def auto_backend(tensors: Sequence[torch.Tensor], copy: str, num_params: int) -> CopyBackend:
+    """The backend ``"auto"`` picks for ``copy`` (an op name) of ``num_params``
+    parameters on ``tensors``: Triton on a GPU (eager: always; traced: per
+    :data:`AUTO_TRACED_GPU`), aten elsewhere or without Triton."""
+    if tensors[0].device.type not in _TRITON_DEVICES or not triton_importable():
+        return ATEN
+    if not is_tracing(tensors):
+        return TRITON
+    choice = AUTO_TRACED_GPU[copy]
+    if copy == "all_gather_copy_out" and num_params > AUTO_TRACED_COPY_OUT_MAX_PARAMS:
+        choice = "inductor"
+    return COPY_BACKENDS[choice]
+
+
+def copy_kernels() -> str:
+    """The validated ``config.copy_kernels`` value."""
+    mode = config.copy_kernels
+    if mode not in COPY_KERNELS:
+        raise ValueError(
+            f"fsdp_traceable.config.copy_kernels={mode!r}; use one of "
+            f"{', '.join(map(repr, COPY_KERNELS))}"
+        )
+    return mode
+
+
+def backend_for(tensors: Sequence[torch.Tensor], copy: str, num_params: int) -> CopyBackend:
+    """The backend for ``copy`` (an op name) of ``num_params`` parameters on
+    ``tensors``: the one ``config.copy_kernels`` names (or ``"auto"`` picks) if it
+    serves ``tensors`` now, else aten."""
+    mode = copy_kernels()
+    if mode == "auto":
+        backend = auto_backend(tensors, copy, num_params)
+    else:
+        backend = COPY_BACKENDS[mode]
+    return backend if backend.serves(tensors) else ATEN
+
+
+def all_gather_copy_in(
+    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch.ops.fsdp_traceable.all_gather_copy_in`` by ``config.copy_kernels``.
+
+    Args:
+        shards: this rank's shards, on one device.
+        padded_numels: each shard's padded numel in the flat input.
+        dtype: the all-gather dtype (``torch.uint8`` for a mixed-dtype bucket).
+
+    Returns:
+        The flat all-gather input.
+    """
+    backend = backend_for(shards, "all_gather_copy_in", len(shards))
+    return backend.all_gather_copy_in(shards, padded_numels, dtype)
+
+
+def all_gather_copy_in_into(
+    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], out: torch.Tensor
+) -> None:
+    """Eager-only: the copy-in written into ``out`` (e.g. this rank's slice of the
+    all-gather output), by ``config.copy_kernels``.
+
+    Args:
+        shards: this rank's shards, on one device.
+        padded_numels: each shard's padded numel in the flat input.
+        out: a contiguous 1-D tensor of the all-gather dtype and the input's numel.
+    """
+    backend = backend_for(shards, "all_gather_copy_in", len(shards))
+    backend.all_gather_copy_in_into(shards, padded_numels, out)
+
+
+def all_gather_copy_out(
+    all_gather_output: torch.Tensor,
+    world_size: int,
+    global_sizes_flat: Sequence[int],
+    ndims: Sequence[int],
+    shard_dims: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+) -> list[torch.Tensor]:
+    """``torch.ops.fsdp_traceable.all_gather_copy_out`` by ``config.copy_kernels``.
+
+    Args:
+        all_gather_output: the ``[world_size * numel]`` all-gather output.
+        world_size: number of ranks.
+        global_sizes_flat: the unsharded sizes, flattened.
+        ndims: each parameter's number of dims.
+        shard_dims: each parameter's shard dim.
+        dtypes: each parameter's dtype.
+
+    Returns:
+        One unsharded, contiguous tensor per parameter.
+    """
+    backend = backend_for([all_gather_output], "all_gather_copy_out", len(ndims))
+    return backend.all_gather_copy_out(
+        all_gather_output, world_size, global_sizes_flat, ndims, shard_dims, dtypes)
+
+
+def reduce_scatter_copy_in(
+    grads: Sequence[torch.Tensor],
+    world_size: int,
+    shard_dims: Sequence[int],
+    reduce_dtype: torch.dtype,
+    predivide_factor: float | None,
+) -> torch.Tensor:
+    """``torch.ops.fsdp_traceable.reduce_scatter_copy_in`` by ``config.copy_kernels``.
+
+    Args:
+        grads: unsharded gradients, on one device.
+        world_size: number of ranks.
+        shard_dims: each gradient's shard dim.
+        reduce_dtype: the reduce-scatter dtype.
+        predivide_factor: divide by this after the cast (``None``: no divide).
+
+    Returns:
+        The flat reduce-scatter input.
+    """
+    backend = backend_for(grads, "reduce_scatter_copy_in", len(grads))
+    return backend.reduce_scatter_copy_in(
+        grads, world_size, shard_dims, reduce_dtype, predivide_factor)

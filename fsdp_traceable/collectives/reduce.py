@@ -1,0 +1,170 @@
+"""Bucketed gradient reduction: :func:`foreach_reduce`.
+
+FSDP2's ``foreach_reduce``: one reduce-scatter copy-in, one reduce-scatter over the
+shard group (and, for HSDP, one all-reduce over the replicate group) per bucket,
+with FSDP2's divide factors (see :mod:`~fsdp_traceable.collectives.divide_factors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..sizes import flatten_sizes
+from . import comm, copy_backends
+from .divide_factors import gradient_divide_schedule
+from .shard_info import ShardInfo
+from .validation import (
+    check_bucket,
+    check_bucket_bytes,
+    check_reduce_state,
+    check_uniform,
+    normalize_reduce_op,
+)
+
+__all__ = ["ReduceResult", "accumulate_sharded_grad", "foreach_reduce"]
+
+
+class ReduceResult(NamedTuple):
+    """What :func:`foreach_reduce` produced.
+
+    ``sharded_grads`` holds one contiguous sharded gradient per parameter (in its
+    ``orig_dtype``, on CPU when offloaded), or ``None`` when the HSDP all-reduce was
+    skipped; ``partial_reduce_output`` then carries the accumulated reduce-scatter
+    output to pass to the next call.
+    """
+
+    sharded_grads: list[torch.Tensor] | None
+    partial_reduce_output: torch.Tensor | None
+
+
+@torch.no_grad()
+def foreach_reduce(
+    unsharded_grads: Sequence[torch.Tensor],
+    infos: Sequence[ShardInfo],
+    reduce_scatter_group: dist.ProcessGroup,
+    *,
+    all_reduce_group: dist.ProcessGroup | None = None,
+    gradient_divide_factor: float | None = None,
+    reduce_op: str | dist.ReduceOp.RedOpType | None = None,
+    force_sum_reduction: bool = False,
+    all_reduce_grads: bool = True,
+    partial_reduce_output: torch.Tensor | None = None,
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
+    accumulate_into: Sequence[torch.Tensor] | None = None,
+) -> ReduceResult:
+    """Reduce-scatters a bucket of unsharded gradients into sharded gradients.
+
+    One reduce-scatter over ``reduce_scatter_group`` (and, for HSDP, one all-reduce
+    over ``all_reduce_group``) for the whole bucket, with FSDP2's averaging
+    numerics (see :func:`~fsdp_traceable.collectives.divide_factors.gradient_divide_schedule`).
+
+    Args:
+        unsharded_grads: one gradient per parameter, ``info.global_size``, one dtype.
+        infos: one :class:`ShardInfo` per gradient (uniform reduce/orig dtype).
+        reduce_scatter_group: the shard group.
+        all_reduce_group: the replicate group for HSDP, else ``None``.
+        gradient_divide_factor: divide the summed gradient by this instead of the
+            data-parallel size.
+        reduce_op: ``"sum"``/``"avg"`` to override the ops (no pre/post divide).
+        force_sum_reduction: sum and divide explicitly instead of ``avg``.
+        all_reduce_grads: with HSDP, ``False`` skips the all-reduce and accumulates
+            the reduce-scatter output into ``partial_reduce_output`` instead.
+        partial_reduce_output: the accumulation from earlier skipped all-reduces.
+        all_reduce_hook: called on the reduced flat output (after the HSDP
+            all-reduce, or after the reduce-scatter without HSDP); may mutate it.
+        accumulate_into: sharded parameters whose ``.grad`` receives the result
+            (assigned or added in place, as FSDP2 does), running their
+            post-accumulate-grad hooks.
+
+    Returns:
+        The :class:`ReduceResult`.
+    """
+    check_bucket(unsharded_grads, infos, reduce_scatter_group, tensors_name="unsharded_grads",
+                 expect="unsharded")
+    check_bucket_bytes(infos)
+    check_uniform([g.dtype for g in unsharded_grads], "unsharded_grads dtype",
+                  "cast every gradient of a bucket to one dtype (the param_dtype)")
+    reduce_dtype = check_uniform([i.reduce_dtype for i in infos], "reduce_dtype",
+                                 "build every ShardInfo of a bucket with one reduce_dtype")
+    orig_dtype = check_uniform([i.orig_dtype for i in infos], "orig_dtype",
+                               "bucket parameters of one dtype together")
+    check_reduce_state(
+        infos, reduce_dtype, has_all_reduce_group=all_reduce_group is not None,
+        all_reduce_grads=all_reduce_grads, partial_reduce_output=partial_reduce_output,
+        accumulate_into=accumulate_into,
+    )
+    all_reduce_size = 1
+    if all_reduce_group is not None:
+        all_reduce_size = all_reduce_group.size()
+    world_size = infos[0].world_size
+    schedule = gradient_divide_schedule(
+        world_size, all_reduce_size, reduce_dtype, gradient_divide_factor, force_sum_reduction
+    )
+    if reduce_op is not None:
+        op = normalize_reduce_op(reduce_op, reduce_scatter_group)
+        schedule = schedule._replace(predivide_factor=None, postdivide_factor=None,
+                                     reduce_scatter_op=op, all_reduce_op=op)
+
+    reduce_input = copy_backends.reduce_scatter_copy_in(
+        list(unsharded_grads), world_size, [i.shard_dim for i in infos], reduce_dtype,
+        _nontrivial(schedule.predivide_factor),
+    )
+    if world_size > 1:
+        reduce_output = comm.reduce_scatter(reduce_input, schedule.reduce_scatter_op,
+                                            reduce_scatter_group)
+    else:
+        reduce_output = reduce_input
+
+    if all_reduce_group is not None:
+        if not all_reduce_grads:
+            if partial_reduce_output is not None:
+                reduce_output = partial_reduce_output + reduce_output
+            return ReduceResult(None, reduce_output)
+        if partial_reduce_output is not None:
+            reduce_output = reduce_output + partial_reduce_output
+        if all_reduce_size > 1:
+            reduce_output = comm.all_reduce(reduce_output, schedule.all_reduce_op,
+                                            all_reduce_group)
+    if all_reduce_hook is not None:
+        all_reduce_hook(reduce_output)
+
+    sizes_flat, ndims = flatten_sizes([info.sharded_size for info in infos])
+    sharded_grads = torch.ops.fsdp_traceable.reduce_scatter_view_out(
+        reduce_output, sizes_flat, ndims, [i.padded_sharded_numel for i in infos],
+        orig_dtype, _nontrivial(schedule.postdivide_factor),
+    )
+    sharded_grads = [
+        grad.to("cpu") if info.offload_to_cpu else grad for grad, info in zip(sharded_grads, infos)
+    ]
+    if accumulate_into is not None:
+        for param, grad in zip(accumulate_into, sharded_grads):
+            accumulate_sharded_grad(param, grad)
+    return ReduceResult(sharded_grads, None)
+
+
+def accumulate_sharded_grad(param: torch.Tensor, sharded_grad: torch.Tensor) -> None:
+    """Adds ``sharded_grad`` into ``param.grad`` (a DTensor if ``param`` is one) and runs
+    ``param``'s post-accumulate-grad hooks, as FSDP2's reduce does."""
+    if param.grad is None:
+        if isinstance(param, DTensor):
+            param.grad = DTensor.from_local(
+                sharded_grad, param.device_mesh, param.placements,
+                shape=param.shape, stride=param.stride(), run_check=False,
+            )
+        else:
+            param.grad = sharded_grad
+    else:
+        grad = param.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        local += sharded_grad
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)
+
+
+def _nontrivial(factor: float | None) -> float | None:
+    return None if factor is None or factor == 1 else factor

@@ -1,0 +1,99 @@
+"""The autograd boundary of a parameter group: all-gather forward, reduce-scatter backward."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo.eval_frame
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from ..collectives import comm
+from .param_group import ParamGroup
+
+# A compiled backward returns the sharded gradients as plain tensors, and AOTAutograd's
+# runtime wraps them back into DTensors with ``DTensor.__tensor_unflatten__``. When that
+# backward runs inside a compiled function (``loss.backward()`` in a compiled train step,
+# or compiled autograd's capture), Dynamo's frame callback is still active and compiles
+# that frame on its own, which graph-breaks on the raw DTensor constructor. Running the
+# frame eagerly is all the break falls back to; skipping it as a top-level frame removes
+# the spurious breaks and leaves inlining it into a traced function as it was.
+torch._dynamo.eval_frame.skip_code(DTensor.__tensor_unflatten__.__code__)
+
+
+class UnshardParams(torch.autograd.Function):
+    """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
+
+    Inputs are the group's sharded local tensors; outputs the unsharded parameters.
+    Autograd accumulates the returned sharded gradients into the sharded DTensor
+    parameters' ``.grad`` (through ``DTensor.to_local``'s backward).
+    """
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
+        unsharded = group.all_gather(sharded_locals)
+        frozen = [t for t, p in zip(unsharded, group.sharded_params) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(unsharded)
+
+    @staticmethod
+    def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *ctx.group.reduce_grads(unsharded_grads))
+
+
+def _recompute_all_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_all_gather_context():
+    return create_selective_checkpoint_contexts(_recompute_all_gather_policy)
+
+
+def _apply_unshard(group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return UnshardParams.apply(group, *sharded_locals)
+
+
+def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
+    """The group's sharded parameters read from their modules' ``_parameters``.
+
+    The same objects as ``group.sharded_params``, but Dynamo only recognises a tensor
+    as a parameter when it reaches it through a module: it then keeps its shape static
+    (also under ``torch.compile(dynamic=True)``, which otherwise makes every dim of
+    every sharded parameter symbolic) and marks it a static graph input.
+    """
+    params: list[torch.nn.Parameter | None] = [None] * len(group.sharded_params)
+    for owner, name, index in group.bindings:
+        if params[index] is None:
+            params[index] = owner._parameters[name]
+    return params
+
+
+def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
+    """The group's unsharded parameters, connected to autograd.
+
+    With ``recompute_in_backward`` (compiled reshard-after-forward), the all-gather
+    runs under a selective-checkpoint policy that marks every op must-recompute, so
+    the partitioner saves the sharded inputs and re-runs the all-gather in backward
+    instead of saving the unsharded parameters.
+    """
+    # Not ``group.sharded_params``: testing that list makes Dynamo reach its first
+    # parameter through it, not through its module (see _module_params).
+    if not group.infos:  # e.g. a root whose parameters all live in sharded blocks
+        return ()
+    params = _module_params(group) if comm.use_traced_path() else group.sharded_params
+    # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
+    # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
+    # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
+    sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]
+    if recompute_in_backward:
+        return checkpoint(
+            _apply_unshard, group, *sharded_locals,
+            use_reentrant=False, context_fn=_recompute_all_gather_context,
+        )
+    return _apply_unshard(group, *sharded_locals)

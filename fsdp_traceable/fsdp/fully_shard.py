@@ -1,0 +1,292 @@
+"""``fully_shard``: FSDP2's API on top of the traceable collectives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..collectives.shard_info import SUPPORTED_DTYPES
+from .fsdp_module import FSDPModule, check_bool, fsdp_class, owner_class, swap_class
+from .param_group import ParamGroup
+
+# The original (unsharded) parameters every fully_shard call replaced: a weight tied
+# across two calls is still the original object in the module sharded second.
+_replaced_params = WeakIdKeyDictionary()
+# The sharded parameters fully_shard created: finding one again means a parent was
+# sharded before its child.
+_sharded_params = WeakIdKeyDictionary()
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+) -> nn.Module:
+    """Shards ``module``'s parameters across ``mesh``; a drop-in for FSDP2's ``fully_shard``.
+
+    Apply bottom-up (blocks first, then the root). The parameters of ``module`` not
+    already managed by a ``fully_shard``-ed submodule form one group: one all-gather
+    in forward, one reduce-scatter in backward. They become ``nn.Parameter``s
+    wrapping ``DTensor``s laid out as FSDP2 lays them out.
+
+    Args:
+        module: the module to shard; its class is swapped for an ``FSDP<cls>`` subclass.
+        mesh: a 1-D mesh (FSDP) or 2-D mesh with dims (replicate, shard) (HSDP);
+            default: every rank on the default device.
+        reshard_after_forward: free the unsharded parameters after forward and
+            all-gather them again in backward (the root module never does).
+        mp_policy: the mixed-precision policy (torch's ``MixedPrecisionPolicy``).
+        shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None`` for ``Shard(0)``).
+
+    Returns:
+        ``module``, now also an :class:`FSDPModule`.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module"
+        )
+    mesh = mesh if mesh is not None else _default_mesh()
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"mesh must be a 1-D DeviceMesh (FSDP) or a 2-D one with dims (replicate, shard) "
+            f"(HSDP), got {getattr(mesh, 'ndim', type(mesh).__name__)}-D"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy")
+    _check_mp_dtypes(mp_policy)
+    check_bool("reshard_after_forward", reshard_after_forward)
+    owned = _managed_params(module)
+    group = ParamGroup(
+        [(fqn, param) for fqn, param, _ in owned], mesh,
+        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        shard_placement_fn=shard_placement_fn,
+    )
+    for _, param, _ in owned:
+        _replaced_params[param] = True
+    for sharded in group.sharded_params:
+        _sharded_params[sharded] = True
+    by_param: dict[int, nn.Parameter] = {}
+    for (fqn, param, owners), sharded in zip(owned, group.sharded_params):
+        by_param[id(param)] = sharded
+        for owner, name in owners:
+            owner._parameters[name] = sharded
+    index = {id(p): i for i, p in enumerate(group.sharded_params)}
+    owner_names: dict[int, tuple[nn.Module, list[str]]] = {}
+    for fqn, param, owners in owned:
+        for owner, name in owners:
+            group.bind(owner, name, index[id(by_param[id(param)])])
+            owner_names.setdefault(id(owner), (owner, []))[1].append(name)
+    for owner, names in owner_names.values():
+        if owner is not module:
+            swap_class(owner, owner_class(type(owner), tuple(names)))
+    swap_class(module, fsdp_class(type(module), tuple(owner_names.get(id(module), (None, []))[1])))
+    module._fsdp_group = group
+    _link_groups(module)
+    return module
+
+
+def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """``(fqn, param, [(owner, name), ...])`` for each parameter this call manages."""
+    managed: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    sharded_elsewhere: set[int] = set()
+    for sub in module.modules():
+        if sub is not module and isinstance(sub, FSDPModule):
+            sharded_elsewhere.update(id(p) for p in sub.parameters())
+    for prefix, owner in _modules_outside_fsdp(module):
+        for name, param in owner._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{prefix}{name}"
+            if param in _sharded_params:
+                raise ValueError(
+                    f"parameter {fqn!r} was already sharded by fully_shard on a parent "
+                    "module; apply fully_shard bottom-up: submodules first, then their "
+                    "parents, the root last"
+                )
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {fqn!r} is already a DTensor (placements "
+                    f"{tuple(param.placements)}); fully_shard shards plain parameters: "
+                    "apply it to the module before any other sharding"
+                )
+            if id(param) in sharded_elsewhere or param in _replaced_params:
+                raise ValueError(
+                    f"parameter {fqn!r} is shared with a module that fully_shard already "
+                    "sharded; apply fully_shard to a common ancestor of every module that "
+                    "uses it (shared parameters must be in one group)"
+                )
+            if not param.is_floating_point():
+                raise TypeError(
+                    f"parameter {fqn!r} has dtype {param.dtype}; fully_shard shards floating-"
+                    "point parameters only (register integer state as a buffer)"
+                )
+            managed.setdefault(id(param), (fqn, param, []))[2].append((owner, name))
+    params = list(managed.values())
+    by_device = {param.device.type: fqn for fqn, param, _ in params}
+    if len(by_device) > 1:
+        listed = ", ".join(f"{fqn!r} on {device}" for device, fqn in sorted(by_device.items()))
+        raise ValueError(
+            f"module has parameters on several device types ({listed}); move the module "
+            "to one device before fully_shard (e.g. module.to('cpu'))"
+        )
+    if "meta" in by_device:
+        raise ValueError(
+            f"parameter {by_device['meta']!r} is on the meta device; fully_shard shards "
+            "materialized parameters: call module.to_empty(device=...) and initialize the "
+            "parameters before fully_shard"
+        )
+    by_dtype = {param.dtype: fqn for fqn, param, _ in params if param.requires_grad}
+    if len(by_dtype) > 1:
+        listed = ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in by_dtype.items())
+        raise ValueError(
+            f"trainable parameters of one fully_shard group have several dtypes ({listed}); "
+            "their gradients are reduced in one bucket of one dtype: give them one dtype "
+            "(e.g. module.float(); use mp_policy for lower-precision compute), or apply "
+            "fully_shard to the submodules of each dtype separately"
+        )
+    return params
+
+
+def _modules_outside_fsdp(module: nn.Module, prefix: str = ""):
+    """``(prefix, submodule)`` for ``module`` and every submodule not under another
+    ``fully_shard``, children before their parent: FSDP2's order, so a bucket's layout,
+    and with it the reduce-scatter's summation order per element, matches FSDP2's."""
+    for name, child in module._modules.items():
+        if child is None or isinstance(child, FSDPModule):
+            continue
+        yield from _modules_outside_fsdp(child, f"{prefix}{name}.")
+    yield prefix, module
+
+
+def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """``(fqn, param, [(owner, name), ...])`` for each parameter this call manages."""
+    managed: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    sharded_elsewhere: set[int] = set()
+    for sub in module.modules():
+        if sub is not module and isinstance(sub, FSDPModule):
+            sharded_elsewhere.update(id(p) for p in sub.parameters())
+    for prefix, owner in _modules_outside_fsdp(module):
+        for name, param in owner._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{prefix}{name}"
+            if param in _sharded_params:
+                raise ValueError(
+                    f"parameter {fqn!r} was already sharded by fully_shard on a parent "
+                    "module; apply fully_shard bottom-up: submodules first, then their "
+                    "parents, the root last"
+                )
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {fqn!r} is already a DTensor (placements "
+                    f"{tuple(param.placements)}); fully_shard shards plain parameters: "
+                    "apply it to the module before any other sharding"
+                )
+            if id(param) in sharded_elsewhere or param in _replaced_params:
+                raise ValueError(
+                    f"parameter {fqn!r} is shared with a module that fully_shard already "
+                    "sharded; apply fully_shard to a common ancestor of every module that "
+                    "uses it (shared parameters must be in one group)"
+                )
+            if not param.is_floating_point():
+                raise TypeError(
+                    f"parameter {fqn!r} has dtype {param.dtype}; fully_shard shards floating-"
+                    "point parameters only (register integer state as a buffer)"
+                )
+            managed.setdefault(id(param), (fqn, param, []))[2].append((owner, name))
+    params = list(managed.values())
+    by_device = {param.device.type: fqn for fqn, param, _ in params}
+    if len(by_device) > 1:
+        listed = ", ".join(f"{fqn!r} on {device}" for device, fqn in sorted(by_device.items()))
+        raise ValueError(
+            f"module has parameters on several device types ({listed}); move the module "
+            "to one device before fully_shard (e.g. module.to('cpu'))"
+        )
+    if "meta" in by_device:
+        raise ValueError(
+            f"parameter {by_device['meta']!r} is on the meta device; fully_shard shards "
+            "materialized parameters: call module.to_empty(device=...) and initialize the "
+            "parameters before fully_shard"
+        )
+    by_dtype = {param.dtype: fqn for fqn, param, _ in params if param.requires_grad}
+    if len(by_dtype) > 1:
+        listed = ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in by_dtype.items())
+        raise ValueError(
+            f"trainable parameters of one fully_shard group have several dtypes ({listed}); "
+            "their gradients are reduced in one bucket of one dtype: give them one dtype "
+            "(e.g. module.float(); use mp_policy for lower-precision compute), or apply "
+            "fully_shard to the submodules of each dtype separately"
+        )
+    return params
+
+
+def _modules_outside_fsdp(module: nn.Module, prefix: str = ""):
+    """``(prefix, submodule)`` for ``module`` and every submodule not under another
+    ``fully_shard``, children before their parent: FSDP2's order, so a bucket's layout,
+    and with it the reduce-scatter's summation order per element, matches FSDP2's."""
+    for name, child in module._modules.items():
+        if child is None or isinstance(child, FSDPModule):
+            continue
+        yield from _modules_outside_fsdp(child, f"{prefix}{name}.")
+    yield prefix, module
+
+
+def _link_groups(root: FSDPModule) -> None:
+    """Makes ``root`` (the latest ``fully_shard`` call, applied bottom-up) the root.
+
+    The root group never reshards after forward: its backward starts right after.
+    The groups' module order (pre-order, i.e. forward order for the usual
+    blocks-in-sequence models) drives the eager prefetch: each group's forward
+    prefetches the next group, each group's backward the previous one. Doing this
+    at ``fully_shard`` time, not lazily in the first forward, keeps the compiled
+    forward free of first-call branches (and their recompile).
+    """
+    fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    groups = [m._fsdp_group for m in fsdp_modules]
+    for i, m in enumerate(fsdp_modules):
+        m._fsdp_next_groups = groups[i + 1 : i + 2]
+        # groups[0] is the root, whose parameters stay unsharded from forward through
+        # backward (it never reshards after forward), so nothing prefetches it.
+        previous = groups[i - 1] if i > 1 else None
+        m._fsdp_group.set_root(m is root, previous.prefetch if previous is not None else None)
+
+
+def _check_mp_dtypes(mp_policy: MixedPrecisionPolicy) -> None:
+    """Rejects policy dtypes the collectives cannot carry, before any parameter is read."""
+    supported = ", ".join(map(str, SUPPORTED_DTYPES))
+    for field in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"mp_policy.{field}={dtype} is not supported: use one of {supported}, or "
+                "None to keep each parameter's own dtype"
+            )
+    output_dtype = mp_policy.output_dtype
+    if output_dtype is not None and not (
+        isinstance(output_dtype, torch.dtype) and output_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"mp_policy.output_dtype={output_dtype} is not a floating-point dtype: use "
+            "e.g. torch.float32, or None to leave the outputs as computed"
+        )
+
+
+def _default_mesh() -> DeviceMesh:
+    if not torch.distributed.is_initialized():
+        raise ValueError(
+            "fully_shard needs an initialized process group when mesh is None: call "
+            "torch.distributed.init_process_group first, or pass mesh="
+        )
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (torch.distributed.get_world_size(),))

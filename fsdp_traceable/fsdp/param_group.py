@@ -1,0 +1,259 @@
+"""One ``fully_shard`` call's parameters: sharding, unsharding and gradient reduction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..collectives import (
+    AllGatherResult,
+    ShardInfo,
+    comm,
+    foreach_all_gather,
+    foreach_all_gather_copy_out,
+    foreach_reduce,
+    make_shard_info,
+    shard_tensor,
+)
+from ..collectives.validation import check_bucket_bytes
+from .eager_state import EagerState
+
+
+class ParamGroup:
+    """The sharded parameters of one ``fully_shard``-ed module and their collectives.
+
+    Plain data read on every step (infos, process groups, flags), the modules that
+    hold the parameters, and, in eager mode only, an :class:`EagerState`. The module
+    API changes it only through its methods.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        mesh: DeviceMesh,
+        *,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+        shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    ) -> None:
+        # Where the group communicates.
+        self.mesh = mesh
+        self.device_type = mesh.device_type
+        self.is_hsdp = mesh.ndim == 2
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if self.is_hsdp else None
+        self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
+
+        # Policy: set at fully_shard time, changed by FSDPModule's setters.
+        self.mp_policy = mp_policy
+        self._reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        # The root group (set by link_groups) never reshards after forward.
+        self.is_root = False
+
+        # The parameters: one ShardInfo and one sharded DTensor parameter each.
+        self.fqns = [fqn for fqn, _ in named_params]
+        self.infos: list[ShardInfo] = [
+            _shard_info(fqn, param, mesh, mp_policy, shard_placement_fn)
+            for fqn, param in named_params
+        ]
+        check_bucket_bytes(self.infos, self.fqns)
+        self.sharded_params: list[nn.Parameter] = [
+            _sharded_param(param, info, mesh, self.is_hsdp)
+            for (_, param), info in zip(named_params, self.infos)
+        ]
+        # (module, attribute name, parameter index) for every module attribute that
+        # holds one of the parameters (a tied weight has several).
+        self.bindings: list[tuple[nn.Module, str, int]] = []
+        # Unsharded parameters kept by FSDPModule.unshard() until reshard().
+        self.explicit_unsharded: tuple[torch.Tensor, ...] | None = None
+
+        # Eager-only state between calls (prefetch, parameters kept for backward,
+        # no-sync gradient accumulation) and the group backward prefetches.
+        self.eager = EagerState()
+        self.prefetch_backward: Callable[[], None] | None = None
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether backward re-gathers the parameters (never for the root group)."""
+        return self._reshard_after_forward and not self.is_root
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self._reshard_after_forward = value
+
+    def bind(self, owner: nn.Module, name: str, index: int) -> None:
+        """Records that ``owner.<name>`` is parameter ``index`` of this group."""
+        self.bindings.append((owner, name, index))
+
+    def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None) -> None:
+        """Sets whether this is the root group and what its backward prefetches."""
+        self.is_root = is_root
+        self.prefetch_backward = prefetch_backward
+
+    # -- forward -----------------------------------------------------------------
+
+    def start_all_gather(self) -> AllGatherResult:
+        locals_ = [p._local_tensor for p in self.sharded_params]
+        return foreach_all_gather(locals_, self.infos, self.shard_group, streams=self.streams)
+
+    def prefetch(self) -> None:
+        """Eager: issues this group's all-gather now, to overlap the compute before it."""
+        if not self.sharded_params:
+            return
+        if self.eager.prefetched is None and self.eager.unsharded_for_backward is None:
+            self.eager.prefetch(self.start_all_gather(), self._local_versions())
+
+    def _take_prefetched(self) -> AllGatherResult | None:
+        """The prefetched all-gather, unless a parameter changed since it was issued."""
+        result, versions = self.eager.take_prefetched()
+        if result is not None and versions != self._local_versions():
+            foreach_all_gather_copy_out(result)  # complete the collective every rank joined
+            result = None
+        return result
+
+    def _local_versions(self) -> list[tuple[int, int]]:
+        # In-place ops on the DTensor (optimizer steps, load_state_dict) bump only the
+        # parameter's version, not its local tensor's; writes to the local tensor the reverse.
+        return [(p._version, p._local_tensor._version) for p in self.sharded_params]
+
+    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight."""
+        if comm.use_traced_path():
+            result = foreach_all_gather(list(sharded_locals), self.infos, self.shard_group)
+            return foreach_all_gather_copy_out(result)
+        if self.eager.unsharded_for_backward is not None:
+            # Kept by a backward with reshard_after_backward=False: like FSDP2, the
+            # next forward uses them whatever the flag says now.
+            return self.eager.unsharded_for_backward
+        result = self._take_prefetched()
+        if result is None:
+            result = foreach_all_gather(
+                list(sharded_locals), self.infos, self.shard_group, streams=self.streams
+            )
+        return foreach_all_gather_copy_out(result)
+
+    # -- backward ----------------------------------------------------------------
+
+    def unsharded_for_backward(self) -> list[torch.Tensor]:
+        """Eager: the parameters re-gathered once for this group's backward."""
+        if self.eager.unsharded_for_backward is None:
+            result = self._take_prefetched()
+            if result is None:
+                result = self.start_all_gather()
+            self.eager.unsharded_for_backward = foreach_all_gather_copy_out(result)
+            if torch._C._current_graph_task_id() != -1:
+                # Also frees them for a group without trainable parameters, whose
+                # backward never reaches reduce_grads.
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            # Prefetch only once this group's all-gather buffer is freed: the peak then
+            # holds one in-flight buffer, not two.
+            if self.prefetch_backward is not None:
+                self.prefetch_backward()
+        return self.eager.unsharded_for_backward
+
+    def _end_backward(self) -> None:
+        if self.reshard_after_backward:
+            self.eager.unsharded_for_backward = None
+
+    def reduce_grads(
+        self, unsharded_grads: tuple[torch.Tensor | None, ...]
+    ) -> list[torch.Tensor | None]:
+        """Reduce-scatters the trainable parameters' gradients into sharded gradients."""
+        # Guarded: a traced backward must not mutate Python state (Dynamo refuses such
+        # side effects inside an autograd.Function), and there it is always None.
+        if self.reshard_after_backward and self.eager.unsharded_for_backward is not None:
+            self.eager.unsharded_for_backward = None
+        # As in FSDP2, only parameters that received a gradient are reduced; the others
+        # keep .grad None (which is what AdamW and weight decay expect).
+        grads = {
+            i: grad for i, (grad, param) in enumerate(zip(unsharded_grads, self.sharded_params))
+            if grad is not None and param.requires_grad
+        }
+        accumulated = self.eager.take_accumulated_grads()
+        if accumulated is not None or not self.requires_gradient_sync:
+            # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
+            grads = {i: g.to(self.infos[i].reduce_dtype) for i, g in grads.items()}
+        if accumulated is not None:
+            for i, earlier in accumulated.items():
+                grads[i] = grads[i] + earlier if i in grads else earlier
+        sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
+        if not self.requires_gradient_sync:
+            if comm.use_traced_path():
+                raise NotImplementedError(
+                    "set_requires_gradient_sync(False) keeps unsharded gradients across "
+                    "backward calls, which a compiled backward cannot hold; accumulate "
+                    "with gradient sync on, or run the no-sync microbatches eagerly"
+                )
+            self.eager.accumulated_unsharded_grads = grads
+            return sharded_grads
+        if not grads:
+            return sharded_grads
+        indices = sorted(grads)
+        result = foreach_reduce(
+            [grads[i] for i in indices], [self.infos[i] for i in indices], self.shard_group,
+            all_reduce_group=self.replicate_group,
+        )
+        for i, grad in zip(indices, result.sharded_grads):
+            sharded_grads[i] = grad
+        return sharded_grads
+
+
+def _shard_info(
+    fqn: str,
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> ShardInfo:
+    shard_dim = _shard_dim(fqn, param, shard_placement_fn)
+    try:
+        return make_shard_info(
+            param.shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
+            shard_dim=shard_dim, orig_dtype=param.dtype, param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+        )
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"parameter {fqn!r}: {err}") from None
+
+
+def _sharded_param(
+    param: nn.Parameter, info: ShardInfo, mesh: DeviceMesh, is_hsdp: bool
+) -> nn.Parameter:
+    local = shard_tensor(param.detach().to(mesh.device_type), info)
+    shard = Shard(info.shard_dim)
+    placements = (Replicate(), shard) if is_hsdp else (shard,)
+    dtensor = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride(),
+    )
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _shard_dim(
+    fqn: str,
+    param: nn.Parameter,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> int:
+    if shard_placement_fn is None:
+        return 0
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(
+            f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+            "return a torch.distributed.tensor.Shard(dim) or None (for Shard(0))"
+        )
+    if param.ndim and not -param.ndim <= placement.dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for parameter {fqn!r} of "
+            f"size {tuple(param.shape)}; return Shard(d) with {-param.ndim} <= d < {param.ndim}"
+        )
+    return placement.dim
+

@@ -1,0 +1,118 @@
+"""Real process groups on one machine: local gloo ranks on 127.0.0.1, and the
+set-up and teardown every launcher of the library shares."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = [
+    "free_port",
+    "init_default_group",
+    "run_and_shut_down",
+    "run_on_local_ranks",
+    "shut_down_process_group",
+]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for local ranks to meet at."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_default_group(
+    rank: int, world_size: int, init_method: str | None, timeout_s: float,
+    backend: str | None = None,
+) -> None:
+    """The default process group with a ``timeout_s`` collective timeout; ``backend``
+    defaults to NCCL on a machine with a GPU, else gloo."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def run_and_shut_down(fn: Callable[..., Any], args: tuple) -> None:
+    """Runs ``fn``; after a success every rank meets at a barrier before tearing down,
+    so no rank closes its connections while a peer is still using them (gloo aborts
+    the peer's process then). After a failure the ranks tear down at once."""
+    try:
+        fn(*args)
+        dist.barrier()
+    finally:
+        shut_down_process_group()
+
+
+def shut_down_process_group() -> None:
+    """Destroys the default process group, then drops what may still hold a process
+    group: compiled code keeps its model alive, and the model's parameter groups keep
+    their process group. Released here, a gloo process group is destroyed while the
+    interpreter is whole; destroyed during interpreter shutdown, with work still held by
+    its threads, it can abort the process."""
+    dist.destroy_process_group()
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def _local_rank_main(
+    rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any],
+    args: tuple, timeout_s: float, num_threads: int, backend: str,
+) -> None:
+    torch.set_num_threads(num_threads)
+    init_default_group(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s, backend=backend)
+
+    def run_and_save() -> None:
+        torch.save(fn(rank, world_size, *args), os.path.join(result_dir, f"rank{rank}.pt"))
+
+    run_and_shut_down(run_and_save, ())
+
+
+def run_on_local_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    num_threads: int = 1,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes
+    (gloo; ``backend="nccl"`` puts rank ``r`` on GPU ``r``).
+
+    A failure on any rank fails the call with that rank's traceback; a rank that
+    waits on a collective longer than ``timeout_s`` raises instead of hanging.
+
+    Args:
+        fn: the per-rank body, a module-level function.
+        world_size: ranks to spawn.
+        *args: more arguments for ``fn`` (picklable).
+        timeout_s: collective timeout.
+        num_threads: intra-op threads per rank.
+        backend: the process group backend.
+
+    Returns:
+        Each rank's return value, by rank (``torch.save``-able values).
+    """
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.start_processes(
+            _local_rank_main,
+            args=(world_size, free_port(), result_dir, fn, args, timeout_s, num_threads, backend),
+            nprocs=world_size, join=True, start_method="spawn",
+        )
+        return [
+            torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

@@ -1,0 +1,253 @@
+"""fully_shard features against torch's own FSDP2, on real gloo ranks, eager, bitwise.
+
+Gradient accumulation (with and without gradient sync), HSDP, frozen parameters,
+buffers, reshard modes and explicit unshard, tied weights, state_dict and DCP
+checkpoints. The rank-side bodies are in ``feature_cases`` and ``checkpoint_cases``;
+all 2-rank cases share one spawned run, HSDP has its own 4-rank run. Bad arguments
+to ``fully_shard`` are checked in-process on the fake process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from fsdp_traceable import FSDPModule, fully_shard
+from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from tests.fsdp import checkpoint_cases, feature_cases
+from tests.fsdp.feature_cases import N_GROUPS, assert_bitwise, assert_same_training
+
+
+def _two_rank_cases(directory: str) -> list[tuple[str, Callable, tuple]]:
+    return [
+        ("grad_accumulation", feature_cases.grad_accumulation, ()),
+        ("no_sync_fp32", feature_cases.no_sync_accumulation, (False,)),
+        ("no_sync_bf16", feature_cases.no_sync_accumulation, (True,)),
+        ("frozen", feature_cases.frozen_params, ()),
+        ("unused", feature_cases.unused_params, ()),
+        ("buffers", feature_cases.buffers, ()),
+        ("reshard_modes", feature_cases.reshard_modes, ()),
+        ("unshard", feature_cases.unshard_and_reshard_after_backward, ()),
+        ("tied_in_one_group", feature_cases.tied_in_one_group, ()),
+        ("tied_across_groups", feature_cases.tied_across_groups, ()),
+        ("embedding_own_group", feature_cases.embedding_own_group, ()),
+        ("state_dict", checkpoint_cases.state_dict_round_trip, ()),
+        ("dcp", checkpoint_cases.dcp_cross_load, (directory,)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict[str, Any]]:
+    directory = str(tmp_path_factory.mktemp("dcp"))
+    return run_on_local_ranks(feature_cases.run_cases, 2, _two_rank_cases(directory))
+
+
+def _case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The per-rank results of one case; fails with the rank's traceback if it raised."""
+    per_rank = [r[name] for r in results]
+    for rank, result in enumerate(per_rank):
+        if "error" in result:
+            pytest.fail(f"case {name!r} raised on rank {rank}:\n{result['error']}")
+    return per_rank
+
+
+@pytest.mark.gloo
+def test_gradient_accumulation_over_microbatches_matches_fsdp2(two_ranks):
+    for result in _case(two_ranks, "grad_accumulation"):
+        assert_same_training(result["theirs"], result["ours"])
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_no_gradient_sync_until_last_microbatch_matches_fsdp2(two_ranks, precision: str):
+    for result in _case(two_ranks, f"no_sync_{precision}"):
+        assert_same_training(result["theirs"], result["ours"])
+        # Only the last microbatch of each of the 2 steps reduce-scatters, once per group.
+        assert result["reduce_scatters"] == 2 * N_GROUPS
+        assert result["grads_none_before_sync"] == [True, True]
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_hsdp_2x2_matches_fsdp2_hsdp():
+    results = run_on_local_ranks(feature_cases.run_cases, 4, [("hsdp", feature_cases.hsdp, ())])
+    for result in _case(results, "hsdp"):
+        assert_same_training(result["theirs"], result["ours"])
+        for theirs_placements, ours_placements, theirs_local, ours_local in result["placements"]:
+            assert ours_placements == theirs_placements
+            assert theirs_placements[0] == Replicate()
+            assert ours_local == theirs_local
+
+
+@pytest.mark.gloo
+def test_frozen_params_get_no_grad_stay_unchanged_rest_matches_fsdp2(two_ranks):
+    for result in _case(two_ranks, "frozen"):
+        assert_same_training(result["theirs"], result["ours"])
+        mask = result["frozen_mask"]
+        assert any(mask) and not all(mask)
+        for frozen, grad, initial, final in zip(
+            mask, result["ours"]["grads"], result["initial"], result["ours"]["params"]
+        ):
+            assert (grad is None) == frozen
+            if frozen:
+                assert torch.equal(final, initial)
+            else:
+                assert not torch.equal(final, initial)
+        # Block 1 (all frozen) still reshards after backward: 2 steps of 3 forward
+        # gathers and 2 backward re-gathers.
+        assert result["all_gathers"] == 2 * (N_GROUPS + N_GROUPS - 1)
+
+
+@pytest.mark.gloo
+def test_unused_params_keep_no_grad_and_match_fsdp2(two_ranks):
+    for result in _case(two_ranks, "unused"):
+        assert sum(result["unused_mask"]) == 3
+        for unused, grad in zip(result["unused_mask"], result["ours"]["grads"]):
+            assert (grad is None) == unused
+        assert_same_training(result["theirs"], result["ours"])
+
+
+def test_buffers_untouched_by_sharding_and_used_in_forward(two_ranks):
+    for result in _case(two_ranks, "buffers"):
+        assert_same_training(result["theirs"], result["ours"])
+        assert result["names"]["ours"] == result["names"]["theirs"]
+        assert result["state_dict_keys"]["ours"] == result["state_dict_keys"]["theirs"]
+        assert "position_table" not in result["state_dict_keys"]["ours"]  # non-persistent
+        assert all(t is torch.Tensor for t in result["buffer_types"])
+        assert torch.equal(result["table_after_sharding"], result["initial_table"])
+        assert_bitwise(result["final_buffers"]["theirs"], result["final_buffers"]["ours"],
+                       "buffers after training")
+        running_mean, updates = result["final_buffers"]["ours"][1:]
+        assert updates.item() == 3 and running_mean.abs().sum() > 0
+
+
+@pytest.mark.gloo
+def test_reshard_after_forward_false_matches_true_with_fewer_all_gathers(two_ranks):
+    for result in _case(two_ranks, "reshard_modes"):
+        assert_same_training(result["theirs"], result["ours_reshard_True"])
+        assert_same_training(result["theirs"], result["ours_reshard_False"])
+        steps, blocks = 2, N_GROUPS - 1
+        # Resharding blocks gather again in backward; the root never reshards.
+        assert result["all_gathers_reshard_True"] == steps * (N_GROUPS + blocks)
+        assert result["all_gathers_reshard_False"] == steps * N_GROUPS
+
+
+@pytest.mark.gloo
+def test_unshard_reshard_and_reshard_after_backward_match_fsdp2(two_ranks):
+    for result in _case(two_ranks, "unshard"):
+        assert_bitwise(result["theirs"]["params"], result["ours"]["params"], "parameters")
+        # After unshard() of every group, forward and backward gather nothing.
+        assert result["all_gathers_after_unshard"] == 0
+        # Blocks kept unsharded after the first microbatch's backward are reused by the
+        # second microbatch (forward and backward): only the root gathers again.
+        first, second = result["all_gathers_kept_after_backward"]
+        assert first == N_GROUPS + (N_GROUPS - 1)
+        assert second == 1
+
+
+@pytest.mark.gloo
+def test_tied_weights_in_one_group_match_fsdp2(two_ranks):
+    for result in _case(two_ranks, "tied_in_one_group"):
+        assert result["tied"] == {"theirs": True, "ours": True}
+        assert_same_training(result["theirs"], result["ours"])
+
+
+@pytest.mark.gloo
+def test_weight_shared_by_two_groups_raises_at_fully_shard(two_ranks):
+    for result in _case(two_ranks, "tied_across_groups"):
+        assert "'tok_embeddings.weight'" in result["root"]
+        assert "'weight'" in result["embedding"]
+        assert all("common ancestor" in message for message in result.values())
+
+
+@pytest.mark.gloo
+def test_group_not_regathered_in_backward_matches_fsdp2(two_ranks):
+    # The embedding's backward needs no weight, so the backward prefetch of its group
+    # is never used; the next forward must gather the stepped weights, not use it.
+    for result in _case(two_ranks, "embedding_own_group"):
+        assert_same_training(result["theirs"], result["ours"])
+
+
+@pytest.mark.gloo
+def test_state_dict_layout_matches_fsdp2_and_round_trips(two_ranks):
+    for result in _case(two_ranks, "state_dict"):
+        assert result["layout_ours"] == result["layout_theirs"]
+        assert all(kind == "DTensor" for kind, *_ in result["layout_ours"].values())
+        assert not all(torch.equal(a, b)
+                       for a, b in zip(result["saved"], result["changed_by_step"]))
+        assert_bitwise(result["saved"], result["reloaded"], "reloaded parameters")
+        assert_bitwise(result["after_load_theirs"], result["after_load_ours"],
+                       "parameters one step after loading FSDP2's state_dict")
+
+
+@pytest.mark.gloo
+def test_dcp_checkpoint_loads_across_libraries_bitwise(two_ranks):
+    for result in _case(two_ranks, "dcp"):
+        for direction in ("theirs_loads_ours", "ours_loads_theirs"):
+            source_params, loaded_params = result[direction]["params"]
+            assert_bitwise(source_params, loaded_params, f"{direction} parameters")
+            source_state, loaded_state = result[direction]["optim"]
+            assert [k for k, _ in loaded_state] == [k for k, _ in source_state]
+            assert {k for k, _ in source_state} == {"step", "exp_avg", "exp_avg_sq"}
+            assert_bitwise([v for _, v in source_state], [v for _, v in loaded_state],
+                           f"{direction} optimizer state")
+        for name, (source, loaded) in result["next_step"].items():
+            assert_bitwise(source, loaded, f"{name}: the step after loading")
+
+
+# -- bad input, single process on the fake process group ------------------------------
+
+
+class _IntParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.index = nn.Parameter(torch.arange(4), requires_grad=False)
+
+
+BAD_CALLS = {
+    "applied_twice": (
+        ValueError, "already",
+        lambda mesh: fully_shard(fully_shard(nn.Linear(4, 4), mesh=mesh), mesh=mesh)),
+    "three_d_mesh": (
+        ValueError, "1-D DeviceMesh",
+        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, 1, 1)))),
+    "not_a_module": (
+        TypeError, "nn.Module", lambda mesh: fully_shard(torch.ones(4), mesh=mesh)),
+    "integer_parameter": (
+        TypeError, "'index'", lambda mesh: fully_shard(_IntParam(), mesh=mesh)),
+    "placement_not_shard": (
+        TypeError, "shard_placement_fn",
+        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                 shard_placement_fn=lambda p: Replicate())),
+    "uneven_shard_1": (
+        ValueError, "'weight'",
+        lambda mesh: fully_shard(nn.Linear(3, 4), mesh=mesh,
+                                 shard_placement_fn=lambda p: Shard(1))),
+    "mp_policy_type": (
+        TypeError, "mp_policy",
+        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                 mp_policy={"param_dtype": torch.bfloat16})),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_input_to_fully_shard_raises(fake_mesh: DeviceMesh, name: str):
+    error, message, call = BAD_CALLS[name]
+    with pytest.raises(error, match=message):
+        call(fake_mesh)
+
+
+def test_rejected_module_is_left_unsharded(fake_mesh: DeviceMesh):
+    module = nn.Linear(3, 4)
+    with pytest.raises(ValueError):
+        fully_shard(module, mesh=fake_mesh, shard_placement_fn=lambda p: Shard(1))
+    assert type(module) is nn.Linear and not isinstance(module, FSDPModule)
+    assert all(type(p) is nn.Parameter and not hasattr(p, "placements")
+               for p in module.parameters())

@@ -1,0 +1,40 @@
+"""The one definition of what the copy kernels and their Python side exchange.
+
+The per-parameter metadata row (:class:`ParamRow`: its fields are the columns of the
+int64 ``param_meta`` table, in order), the element kinds of sources and destinations,
+and the pre-divide modes. ``kernels.py``, the generated kernels, the layouts and the
+launches all read these names; nothing repeats a column number or a kind.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ParamRow(NamedTuple):
+    """Where one parameter's elements sit in a packed ``[world, row_numel]`` buffer."""
+
+    col_offset: int  # first column of the parameter's segment in each rank's row
+    seg_numel: int  # columns of the segment (padding included)
+    chunk_numel: int  # elements of one contiguous chunk of the unsharded tensor
+    numel: int  # elements of the unsharded tensor (or shard, for the copy-in)
+    out_offset: int  # offset of the unsharded tensor in the copy-out buffer
+    src_kind: int  # element kind of the parameter's source (a KIND_*)
+    gap: int  # unused elements after the parameter in the copy-out buffer (<= 16)
+
+
+PARAM_COLS = len(ParamRow._fields)
+COL = {name: index for index, name in enumerate(ParamRow._fields)}
+
+# Element kinds: of a source (ParamRow.src_kind) and of a destination (the DST constexpr).
+KIND_F32, KIND_BF16, KIND_F16, KIND_BYTES = 0, 1, 2, 3
+KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16, torch.float16: KIND_F16}
+
+# Pre-divide modes (the SCALE_MODE constexpr): none, divide by the factor (as torch's
+# CPU kernels do), multiply by its fp32 reciprocal (as torch's CUDA kernels do).
+SCALE_NONE, SCALE_DIVIDE, SCALE_RECIPROCAL = 0, 1, 2
+
+# Integer dtype of each element size: the copy-out moves bits through these views.
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
