@@ -44,6 +44,20 @@ _lib.define(
 )
 
 
+# c10::ScalarType codes of the dtypes a bucket can carry. Some torch releases (2.11) hand
+# a Python kernel a ``ScalarType[]`` argument as these ints rather than as torch.dtypes
+# (a single ``ScalarType`` arrives as a dtype in every release).
+_SCALAR_TYPE_DTYPES = {
+    0: torch.uint8, 1: torch.int8, 5: torch.float16, 6: torch.float32, 7: torch.float64,
+    15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn,
+}
+
+
+def as_dtypes(dtypes: Sequence[torch.dtype | int]) -> list[torch.dtype]:
+    """``dtypes`` as torch.dtypes, whichever form the dispatcher delivered them in."""
+    return [_SCALAR_TYPE_DTYPES[d] if isinstance(d, int) else d for d in dtypes]
+
+
 def copy_out_layout(
     world_size: int,
     global_sizes_flat: Sequence[int],
@@ -137,6 +151,7 @@ def _all_gather_copy_out(
     stripped; ``Shard(d > 0)`` parameters are the rank chunks concatenated along
     ``d``. A ``uint8`` output carries a mixed-dtype bucket as bytes.
     """
+    dtypes = as_dtypes(dtypes)
     as_bytes = all_gather_output.dtype == torch.uint8
     global_sizes, padded_sizes, split_sizes = copy_out_layout(
         world_size, global_sizes_flat, ndims, shard_dims, dtypes, as_bytes
@@ -162,7 +177,11 @@ def _all_gather_copy_out(
         # clone: .contiguous() returns an already contiguous chunk itself (one rank, one
         # parameter) and the output would alias the op's input.
         stacked_size = [world_size] + padded_size
-        if as_bytes and dtype != torch.uint8:
+        if as_bytes and dtype != torch.uint8 and chunk.numel() == 0:
+            # No bytes to reinterpret. Some Inductor releases (2.11) also fail to lower
+            # a dtype view of an empty buffer ("stride(-1) must be 1"), flat or not.
+            stacked = chunk.new_empty(stacked_size, dtype=dtype)
+        elif as_bytes and dtype != torch.uint8:
             # Flat first: a (world, 0) chunk's strides reject a dtype view.
             fresh = chunk.clone(memory_format=torch.contiguous_format).view(-1).view(dtype)
             stacked = fresh.view(stacked_size)

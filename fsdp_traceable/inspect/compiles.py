@@ -106,6 +106,10 @@ def _ordered_breaks(new_breaks: Counter, logged: list[tuple[str, str]]) -> Graph
     falls back to the counters' order if the log does not account for every break."""
     paired = [(next((r for r in new_breaks if r in message), None), location)
               for location, message in logged]
+    # Dynamo also logs frames it gave up on and ran eagerly without counting a break
+    # (torch 2.14: the stdlib ``inspect`` frames that torch.compile of compiled
+    # autograd's graph runs inside a captured backward); they match no counted reason.
+    paired = [(reason, location) for reason, location in paired if reason is not None]
     if Counter(reason for reason, _ in paired) == new_breaks:
         return GraphBreaks(len(paired), [r for r, _ in paired], [loc for _, loc in paired])
     reasons = [reason for reason, n in new_breaks.items() for _ in range(n)]

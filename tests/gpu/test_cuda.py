@@ -78,7 +78,11 @@ def test_world_one_nccl_training_matches_fsdp2_eager_and_unsharded_compile():
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+    from fsdp_traceable.models.transformer import (
+        Transformer,
+        TransformerConfig,
+        shard_transformer,
+    )
 
     config = TransformerConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, max_seq_len=64)
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=F32)
