@@ -20,6 +20,14 @@ from ..tracing import is_tracing
 
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 
+# c10d's flat collectives: the names torch 2.13 introduced where torch has them (the
+# older names warn there), else the older names, which have the same semantics (2.11,
+# 2.12). Looked up on ``torch.distributed`` at call time, so a patch of it sees the call.
+ALL_GATHER_C10D = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER_C10D = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
 
 def use_traced_path() -> bool:
     """Whether the collectives run as functional collectives right now."""
@@ -72,7 +80,7 @@ def all_gather_into(
 ) -> PendingTensor:
     """Eager: starts an async c10d all-gather of ``flat_input`` into ``output``
     (``flat_input`` may be this rank's slice of ``output``, FSDP2's in-place layout)."""
-    work = dist.all_gather_into_tensor(output, flat_input, group=group, async_op=True)
+    work = getattr(dist, ALL_GATHER_C10D)(output, flat_input, group=group, async_op=True)
     return PendingTensor(output, work)
 
 
@@ -85,7 +93,7 @@ def reduce_scatter(flat_input: torch.Tensor, op: str, group: dist.ProcessGroup) 
         )
         return funcol.wait_tensor(output)
     output = flat_input.new_empty(flat_input.numel() // group.size())
-    dist.reduce_scatter_tensor(output, flat_input, op=_C10D_OPS[op], group=group)
+    getattr(dist, REDUCE_SCATTER_C10D)(output, flat_input, op=_C10D_OPS[op], group=group)
     return output
 
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..sizes import round_up
+
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -22,7 +24,7 @@ class TransformerConfig:
     def mlp_hidden_dim(self) -> int:
         if self.hidden_dim is not None:
             return self.hidden_dim
-        return -(-int(8 * self.dim / 3) // 8) * 8
+        return round_up(int(8 * self.dim / 3), 8)
 
 
 class Attention(nn.Module):

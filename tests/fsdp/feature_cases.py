@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule as FSDP2Module
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_traceable
+from fsdp_traceable.collectives import comm
 from fsdp_traceable.models.transformer import (
     Transformer,
     TransformerConfig,
@@ -67,14 +68,14 @@ def count_calls(module: Any, name: str) -> Iterator[list[int]]:
 
 
 def count_all_gathers() -> contextlib.AbstractContextManager[list[int]]:
-    """Counts the all-gather collectives issued (eager c10d ``all_gather_into_tensor``);
-    open it around our model's steps only, FSDP2 issues the same call."""
-    return count_calls(dist, "all_gather_into_tensor")
+    """Counts the all-gather collectives our eager path issues (the c10d call
+    ``comm.ALL_GATHER_C10D`` names); open it around our model's steps only."""
+    return count_calls(dist, comm.ALL_GATHER_C10D)
 
 
 def count_reduce_scatters() -> contextlib.AbstractContextManager[list[int]]:
-    """Counts the reduce-scatter collectives issued (eager c10d ``reduce_scatter_tensor``)."""
-    return count_calls(dist, "reduce_scatter_tensor")
+    """Counts the reduce-scatter collectives our eager path issues (``comm.REDUCE_SCATTER_C10D``)."""
+    return count_calls(dist, comm.REDUCE_SCATTER_C10D)
 
 
 def seeded_transformer(config: TransformerConfig = SMALL, seed: int = 0) -> Transformer:

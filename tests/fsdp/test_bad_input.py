@@ -22,6 +22,7 @@ from torch._C._distributed_c10d import FakeProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_traceable
+from fsdp_traceable.collectives import comm
 from fsdp_traceable.collectives.shard_info import make_shard_info
 from fsdp_traceable.collectives.validation import bucket_bytes, check_bucket_bytes
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
@@ -154,7 +155,7 @@ def test_every_rank_raises_before_any_collective_and_the_group_survives(gloo_res
             assert re.search(match, message), f"rank {rank} {name}: {message!r} !~ {match!r}"
             assert started == [], f"rank {rank} {name}: started {started} before raising"
             assert probe == [3.0, 30.0], f"rank {rank} {name}: all-reduce gave {probe}"
-        assert "all_gather_into_tensor" in result["valid_step_collectives"]  # the counter is live
+        assert comm.ALL_GATHER_C10D in result["valid_step_collectives"]  # the counter is live
         for got, want in zip(result["grads"], result["expected_grads"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
