@@ -25,9 +25,10 @@ from .param_group import ParamGroup
 # The original (unsharded) parameters every fully_shard call replaced: a weight tied
 # across two calls is still the original object in the module sharded second.
 _replaced_params = WeakIdKeyDictionary()
-# The sharded parameters fully_shard created: finding one again means a parent was
-# sharded before its child.
-_sharded_params = WeakIdKeyDictionary()
+# Marks the sharded parameters fully_shard created (an attribute, not a weak
+# reference: module.to_empty() swaps parameters, which weak references forbid):
+# finding one again means a parent was sharded before its child.
+_SHARDED_MARK = "_fsdp_traceable_sharded"
 
 
 def fully_shard(
@@ -97,7 +98,7 @@ def fully_shard(
     for _, param, _ in owned:
         _replaced_params[param] = True
     for sharded in group.sharded_params:
-        _sharded_params[sharded] = True
+        setattr(sharded, _SHARDED_MARK, True)
     by_param: dict[int, nn.Parameter] = {}
     for (fqn, param, owners), sharded in zip(owned, group.sharded_params):
         by_param[id(param)] = sharded
@@ -145,7 +146,7 @@ def _managed_params(
                 if param is None or id(param) in ignored:
                     continue
                 fqn = f"{prefix}{name}"
-                if param in _sharded_params:
+                if getattr(param, _SHARDED_MARK, False):
                     raise ValueError(
                         f"parameter {fqn!r} was already sharded by fully_shard on a parent "
                         "module; apply fully_shard bottom-up: submodules first, then their "
