@@ -248,7 +248,9 @@ class ParamGroup:
                 raise NotImplementedError(
                     "set_requires_gradient_sync(False) keeps unsharded gradients across "
                     "backward calls, which a compiled backward cannot hold; accumulate "
-                    "with gradient sync on, or run the no-sync microbatches eagerly"
+                    "with gradient sync on, or run the no-sync microbatches' backward "
+                    "eagerly (loss.backward() outside compiled_autograd._enable) and only "
+                    "the last microbatch, with set_requires_gradient_sync(True), compiled"
                 )
             self.eager.accumulated_unsharded_grads = grads
             return sharded_grads

@@ -282,3 +282,44 @@ def unshard_life_cycle(rank: int, world_size: int, async_op: bool) -> dict[str, 
             sums.append(model(batch(9, rank, world_size, UNEVEN)[0]).sum().item())
         result[name] = {"sums": sums, "params": full_params(model)}
     return result
+
+
+# -- Hugging Face Llama ---------------------------------------------------------------------
+
+
+def llama_meta_init(rank: int, world_size: int) -> dict[str, Any]:
+    """A tiny ``LlamaForCausalLM`` (no weights) built on meta, sharded per decoder layer
+    and at the root, ``to_empty``, initialized from one seed, 3 AdamW steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=71, hidden_size=32, intermediate_size=51,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=False,
+                         attn_implementation="eager")
+    # Non-persistent buffers (the rotary frequencies) are computed in __init__, which
+    # meta skips; copy them from a model built on CPU, as an init_weights would.
+    reference_buffers = [b.clone() for b in LlamaForCausalLM(config).buffers()]
+    result = {}
+    for name, fully_shard_fn in LIBRARIES:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            fully_shard_fn(layer)
+        fully_shard_fn(model)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for buffer, reference in zip(model.buffers(), reference_buffers, strict=True):
+                buffer.copy_(reference)
+        torch.manual_seed(11)
+        init_weights(model)
+        optimizer = make_optimizer("adamw", model.parameters())
+        losses = []
+        for step in range(3):
+            tokens, targets = batch(step, rank, world_size, UNEVEN)
+            loss = model(input_ids=tokens, labels=targets).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        result[name] = {"losses": losses, "params": full_params(model)}
+    return result
