@@ -11,7 +11,7 @@ from torch._prims_common import make_contiguous_strides_for
 from ..sizes import ceil_div
 
 # Dtypes gloo and NCCL can all-gather and reduce; anything else is rejected up front.
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ class EagerState:
     the parameters' versions when it was issued (a changed parameter voids it).
     ``unsharded_for_backward``: the parameters re-gathered for backward, kept until
     backward ends (or until the next forward with ``reshard_after_backward=False``).
+    ``forward_unsharded``: a group that keeps its forward parameters for backward
+    (no reshard after forward) and will not reshard after backward: what forward
+    gathered, to keep after backward as FSDP2 does.
     ``accumulated_unsharded_grads``: no-sync microbatches' gradients, by parameter
     index, in the reduce dtype.
     """
@@ -22,6 +25,7 @@ class EagerState:
         self.prefetched: AllGatherResult | None = None
         self.prefetched_versions: list[tuple[int, int]] = []
         self.unsharded_for_backward: list[torch.Tensor] | None = None
+        self.forward_unsharded: tuple[torch.Tensor, ...] | None = None
         self.accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
 
     def prefetch(self, result: AllGatherResult, versions: list[tuple[int, int]]) -> None:

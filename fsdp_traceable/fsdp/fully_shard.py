@@ -7,30 +7,40 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..collectives.shard_info import SUPPORTED_DTYPES
-from .fsdp_module import FSDPModule, check_bool, fsdp_class, owner_class, swap_class
+from .arguments import (
+    check_offload_policy,
+    ignored_param_ids,
+    module_list,
+    reshard_after_forward_flag,
+)
+from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
 from .param_group import ParamGroup
 
 # The original (unsharded) parameters every fully_shard call replaced: a weight tied
 # across two calls is still the original object in the module sharded second.
 _replaced_params = WeakIdKeyDictionary()
-# The sharded parameters fully_shard created: finding one again means a parent was
-# sharded before its child.
-_sharded_params = WeakIdKeyDictionary()
+# Marks the sharded parameters fully_shard created (an attribute, not a weak
+# reference: module.to_empty() swaps parameters, which weak references forbid):
+# finding one again means a parent was sharded before its child.
+_SHARDED_MARK = "_fsdp_traceable_sharded"
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
-) -> nn.Module:
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
     """Shards ``module``'s parameters across ``mesh``; a drop-in for FSDP2's ``fully_shard``.
 
     Apply bottom-up (blocks first, then the root). The parameters of ``module`` not
@@ -39,23 +49,33 @@ def fully_shard(
     wrapping ``DTensor``s laid out as FSDP2 lays them out.
 
     Args:
-        module: the module to shard; its class is swapped for an ``FSDP<cls>`` subclass.
+        module: the module to shard, or a list of modules that share one group (its
+            all-gather runs before the first of them); each module's class is swapped
+            for an ``FSDP<cls>`` subclass.
         mesh: a 1-D mesh (FSDP) or 2-D mesh with dims (replicate, shard) (HSDP);
             default: every rank on the default device.
         reshard_after_forward: free the unsharded parameters after forward and
-            all-gather them again in backward (the root module never does).
+            all-gather them again in backward. ``None``: ``True`` except for the root
+            group (the module ``fully_shard`` is applied to last). An int is the group
+            size to reshard to: 1 (as ``False``) or the shard mesh size (as ``True``).
+        shard_placement_fn: maps a parameter to ``Shard(dim)``, ``None`` (``Shard(0)``)
+            or a ``ShardPlacementResult`` on ``mesh``.
         mp_policy: the mixed-precision policy (torch's ``MixedPrecisionPolicy``).
-        shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None`` for ``Shard(0)``).
+        offload_policy: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy(pin_memory=...)``:
+            sharded parameters, gradients and so optimizer state on CPU.
+        ignored_params: parameters left unsharded and unmanaged (no all-gather, no
+            gradient reduction), as in FSDP2.
 
     Returns:
-        ``module``, now also an :class:`FSDPModule`.
+        ``module`` (or the list), each module now also an :class:`FSDPModule`.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(
-            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module"
-        )
+    modules = module_list(module)
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once "
+                "per module"
+            )
     mesh = mesh if mesh is not None else _default_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ValueError(
@@ -65,17 +85,20 @@ def fully_shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy")
     _check_mp_dtypes(mp_policy)
-    check_bool("reshard_after_forward", reshard_after_forward)
-    owned = _managed_params(module)
+    reshard = reshard_after_forward_flag(reshard_after_forward, mesh)
+    offload_to_cpu = check_offload_policy(offload_policy)
+    ignored = ignored_param_ids(ignored_params)
+    owned = _managed_params(modules, ignored)
     group = ParamGroup(
         [(fqn, param) for fqn, param, _ in owned], mesh,
-        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-        shard_placement_fn=shard_placement_fn,
+        reshard_after_forward=reshard, mp_policy=mp_policy,
+        shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
+        pin_memory=offload_to_cpu and offload_policy.pin_memory,
     )
     for _, param, _ in owned:
         _replaced_params[param] = True
     for sharded in group.sharded_params:
-        _sharded_params[sharded] = True
+        setattr(sharded, _SHARDED_MARK, True)
     by_param: dict[int, nn.Parameter] = {}
     for (fqn, param, owners), sharded in zip(owned, group.sharded_params):
         by_param[id(param)] = sharded
@@ -87,51 +110,66 @@ def fully_shard(
         for owner, name in owners:
             group.bind(owner, name, index[id(by_param[id(param)])])
             owner_names.setdefault(id(owner), (owner, []))[1].append(name)
+    roots = {id(m) for m in modules}
     for owner, names in owner_names.values():
-        if owner is not module:
+        if id(owner) not in roots:
             swap_class(owner, owner_class(type(owner), tuple(names)))
-    swap_class(module, fsdp_class(type(module), tuple(owner_names.get(id(module), (None, []))[1])))
-    module._fsdp_group = group
-    _link_groups(module)
+    for m in modules:
+        swap_class(m, fsdp_class(type(m), tuple(owner_names.get(id(m), (None, []))[1])))
+        m._fsdp_group = group
+        m._fsdp_next_groups = []
+    group.modules = list(modules)
+    if len(modules) == 1:
+        _link_groups(modules[0])
     return module
 
 
-def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """``(fqn, param, [(owner, name), ...])`` for each parameter this call manages."""
+def _managed_params(
+    modules: list[nn.Module], ignored: set[int]
+) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """``(fqn, param, [(owner, name), ...])`` for each parameter this call manages.
+
+    FSDP2's order: each module's submodules outside other ``fully_shard`` calls,
+    children before parents, modules in list order; ``ignored`` (parameter ids) are
+    left out. With several modules, names are prefixed with the module's list index.
+    """
     managed: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     sharded_elsewhere: set[int] = set()
-    for sub in module.modules():
-        if sub is not module and isinstance(sub, FSDPModule):
-            sharded_elsewhere.update(id(p) for p in sub.parameters())
-    for prefix, owner in _modules_outside_fsdp(module):
-        for name, param in owner._parameters.items():
-            if param is None:
-                continue
-            fqn = f"{prefix}{name}"
-            if param in _sharded_params:
-                raise ValueError(
-                    f"parameter {fqn!r} was already sharded by fully_shard on a parent "
-                    "module; apply fully_shard bottom-up: submodules first, then their "
-                    "parents, the root last"
-                )
-            if isinstance(param, DTensor):
-                raise ValueError(
-                    f"parameter {fqn!r} is already a DTensor (placements "
-                    f"{tuple(param.placements)}); fully_shard shards plain parameters: "
-                    "apply it to the module before any other sharding"
-                )
-            if id(param) in sharded_elsewhere or param in _replaced_params:
-                raise ValueError(
-                    f"parameter {fqn!r} is shared with a module that fully_shard already "
-                    "sharded; apply fully_shard to a common ancestor of every module that "
-                    "uses it (shared parameters must be in one group)"
-                )
-            if not param.is_floating_point():
-                raise TypeError(
-                    f"parameter {fqn!r} has dtype {param.dtype}; fully_shard shards floating-"
-                    "point parameters only (register integer state as a buffer)"
-                )
-            managed.setdefault(id(param), (fqn, param, []))[2].append((owner, name))
+    for module in modules:
+        for sub in module.modules():
+            if sub is not module and isinstance(sub, FSDPModule):
+                sharded_elsewhere.update(id(p) for p in sub.parameters())
+    prefixes = [f"{i}." if len(modules) > 1 else "" for i in range(len(modules))]
+    for module, module_prefix in zip(modules, prefixes):
+        for prefix, owner in _modules_outside_fsdp(module, module_prefix):
+            for name, param in owner._parameters.items():
+                if param is None or id(param) in ignored:
+                    continue
+                fqn = f"{prefix}{name}"
+                if getattr(param, _SHARDED_MARK, False):
+                    raise ValueError(
+                        f"parameter {fqn!r} was already sharded by fully_shard on a parent "
+                        "module; apply fully_shard bottom-up: submodules first, then their "
+                        "parents, the root last"
+                    )
+                if isinstance(param, DTensor):
+                    raise ValueError(
+                        f"parameter {fqn!r} is already a DTensor (placements "
+                        f"{tuple(param.placements)}); fully_shard shards plain parameters: "
+                        "apply it to the module before any other sharding"
+                    )
+                if id(param) in sharded_elsewhere or param in _replaced_params:
+                    raise ValueError(
+                        f"parameter {fqn!r} is shared with a module that fully_shard already "
+                        "sharded; apply fully_shard to a common ancestor of every module that "
+                        "uses it (shared parameters must be in one group)"
+                    )
+                if not param.is_floating_point():
+                    raise TypeError(
+                        f"parameter {fqn!r} has dtype {param.dtype}; fully_shard shards floating-"
+                        "point parameters only (register integer state as a buffer)"
+                    )
+                managed.setdefault(id(param), (fqn, param, []))[2].append((owner, name))
     params = list(managed.values())
     by_device = {param.device.type: fqn for fqn, param, _ in params}
     if len(by_device) > 1:
@@ -139,12 +177,6 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tup
         raise ValueError(
             f"module has parameters on several device types ({listed}); move the module "
             "to one device before fully_shard (e.g. module.to('cpu'))"
-        )
-    if "meta" in by_device:
-        raise ValueError(
-            f"parameter {by_device['meta']!r} is on the meta device; fully_shard shards "
-            "materialized parameters: call module.to_empty(device=...) and initialize the "
-            "parameters before fully_shard"
         )
     by_dtype = {param.dtype: fqn for fqn, param, _ in params if param.requires_grad}
     if len(by_dtype) > 1:
@@ -172,21 +204,27 @@ def _modules_outside_fsdp(module: nn.Module, prefix: str = ""):
 def _link_groups(root: FSDPModule) -> None:
     """Makes ``root`` (the latest ``fully_shard`` call, applied bottom-up) the root.
 
-    The root group never reshards after forward: its backward starts right after.
-    The groups' module order (pre-order, i.e. forward order for the usual
-    blocks-in-sequence models) drives the eager prefetch: each group's forward
-    prefetches the next group, each group's backward the previous one. Doing this
-    at ``fully_shard`` time, not lazily in the first forward, keeps the compiled
+    By default the root group does not reshard after forward (its backward starts
+    right after); an explicit ``reshard_after_forward=True`` on it is honoured, as
+    FSDP2 does. The groups' module order (pre-order, i.e. forward order for the
+    usual blocks-in-sequence models; a group of several modules counted once, at
+    its first module) drives the eager prefetch: each group's forward prefetches
+    the next group, each group's backward the previous one. Doing this at
+    ``fully_shard`` time, not lazily in the first forward, keeps the compiled
     forward free of first-call branches (and their recompile).
     """
     fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    groups = [m._fsdp_group for m in fsdp_modules]
-    for i, m in enumerate(fsdp_modules):
+    groups = list({id(m._fsdp_group): m._fsdp_group for m in fsdp_modules}.values())
+    position = {id(g): i for i, g in enumerate(groups)}
+    for m in fsdp_modules:
+        i = position[id(m._fsdp_group)]
         m._fsdp_next_groups = groups[i + 1 : i + 2]
-        # groups[0] is the root, whose parameters stay unsharded from forward through
-        # backward (it never reshards after forward), so nothing prefetches it.
+    for i, group in enumerate(groups):
+        # groups[0] is the root, which by default keeps its parameters unsharded
+        # from forward through backward, so nothing prefetches it.
         previous = groups[i - 1] if i > 1 else None
-        m._fsdp_group.set_root(m is root, previous.prefetch if previous is not None else None)
+        group.set_root(i == 0, previous.prefetch if previous is not None else None)
+    groups[0].list_groups = [g for g in groups[1:] if len(g.modules) > 1]
 
 
 def _check_mp_dtypes(mp_policy: MixedPrecisionPolicy) -> None:

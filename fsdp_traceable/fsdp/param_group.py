@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..collectives import (
@@ -21,6 +22,7 @@ from ..collectives import (
     shard_tensor,
 )
 from ..collectives.validation import check_bucket_bytes
+from .arguments import shard_placement
 from .eager_state import EagerState
 
 
@@ -37,9 +39,11 @@ class ParamGroup:
         named_params: list[tuple[str, nn.Parameter]],
         mesh: DeviceMesh,
         *,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
-        shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+        shard_placement_fn: Callable[[nn.Parameter], object] | None,
+        offload_to_cpu: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         # Where the group communicates.
         self.mesh = mesh
@@ -48,9 +52,15 @@ class ParamGroup:
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if self.is_hsdp else None
         self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
+        self.device = _get_device_from_mesh(mesh)
+        # CPUOffloadPolicy: sharded parameters and gradients live on CPU; the shards
+        # are copied to the device before each all-gather.
+        self.offload_to_cpu = offload_to_cpu
+        self.pin_memory = pin_memory
 
         # Policy: set at fully_shard time, changed by FSDPModule's setters.
         self.mp_policy = mp_policy
+        # None: FSDP2's default, True except for the root group.
         self._reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -60,19 +70,30 @@ class ParamGroup:
         # The parameters: one ShardInfo and one sharded DTensor parameter each.
         self.fqns = [fqn for fqn, _ in named_params]
         self.infos: list[ShardInfo] = [
-            _shard_info(fqn, param, mesh, mp_policy, shard_placement_fn)
+            _shard_info(fqn, param, mesh, mp_policy, shard_placement_fn, offload_to_cpu)
             for fqn, param in named_params
         ]
         check_bucket_bytes(self.infos, self.fqns)
         self.sharded_params: list[nn.Parameter] = [
-            _sharded_param(param, info, mesh, self.is_hsdp)
+            _sharded_param(param, info, mesh, self.is_hsdp, self._shard_device(param),
+                           pin_memory)
             for (_, param), info in zip(named_params, self.infos)
         ]
         # (module, attribute name, parameter index) for every module attribute that
         # holds one of the parameters (a tied weight has several).
         self.bindings: list[tuple[nn.Module, str, int]] = []
-        # Unsharded parameters kept by FSDPModule.unshard() until reshard().
+        # Unsharded parameters gathered by FSDPModule.unshard(), used (and released)
+        # by the group's next forward, or dropped by reshard().
         self.explicit_unsharded: tuple[torch.Tensor, ...] | None = None
+        # The modules of the group (several for fully_shard([a, b])); for those, the
+        # unsharded parameters shared by the modules' forwards, and the modules whose
+        # forward has not run yet in this pass.
+        self.modules: list[nn.Module] = []
+        self.shared_unsharded: tuple[torch.Tensor, ...] | None = None
+        self.modules_to_run: set[int] = set()
+        # On the root group: the fully_shard([a, b]) groups below it, whose forward
+        # pass ends with the root's forward at the latest.
+        self.list_groups: list[ParamGroup] = []
 
         # Eager-only state between calls (prefetch, parameters kept for backward,
         # no-sync gradient accumulation) and the group backward prefetches.
@@ -81,12 +102,30 @@ class ParamGroup:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """Whether backward re-gathers the parameters (never for the root group)."""
-        return self._reshard_after_forward and not self.is_root
+        """Whether backward re-gathers the parameters (by default, all but the root group)."""
+        if self._reshard_after_forward is None:
+            return not self.is_root
+        return self._reshard_after_forward
 
     @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool) -> None:
+    def reshard_after_forward(self, value: bool | None) -> None:
         self._reshard_after_forward = value
+
+    def _shard_device(self, param: nn.Parameter) -> torch.device:
+        """Where a sharded parameter lives: meta stays meta (FSDP2 materializes later)."""
+        if param.device.type == "meta":
+            return param.device
+        return torch.device("cpu") if self.offload_to_cpu else self.device
+
+    def refresh_params(self) -> None:
+        """Re-reads the sharded parameters from their modules (after ``module._apply``,
+        e.g. ``to_empty``, may have replaced them) and re-pins offloaded shards."""
+        for owner, name, index in self.bindings:
+            param = owner._parameters[name]
+            if self.pin_memory and not param._local_tensor.is_pinned():
+                param._local_tensor = param._local_tensor.pin_memory()
+            self.sharded_params[index] = param
+        self.eager = EagerState()
 
     def bind(self, owner: nn.Module, name: str, index: int) -> None:
         """Records that ``owner.<name>`` is parameter ``index`` of this group."""
@@ -100,8 +139,14 @@ class ParamGroup:
     # -- forward -----------------------------------------------------------------
 
     def start_all_gather(self) -> AllGatherResult:
-        locals_ = [p._local_tensor for p in self.sharded_params]
+        locals_ = self._on_device([p._local_tensor for p in self.sharded_params])
         return foreach_all_gather(locals_, self.infos, self.shard_group, streams=self.streams)
+
+    def _on_device(self, sharded_locals: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU offload: the host-to-device copy of the shards before their all-gather."""
+        if not self.offload_to_cpu or self.device.type == "cpu":
+            return sharded_locals
+        return [t.to(self.device, non_blocking=True) for t in sharded_locals]
 
     def prefetch(self) -> None:
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
@@ -126,7 +171,8 @@ class ParamGroup:
     def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight."""
         if comm.use_traced_path():
-            result = foreach_all_gather(list(sharded_locals), self.infos, self.shard_group)
+            result = foreach_all_gather(self._on_device(list(sharded_locals)), self.infos,
+                                        self.shard_group)
             return foreach_all_gather_copy_out(result)
         if self.eager.unsharded_for_backward is not None:
             # Kept by a backward with reshard_after_backward=False: like FSDP2, the
@@ -135,7 +181,8 @@ class ParamGroup:
         result = self._take_prefetched()
         if result is None:
             result = foreach_all_gather(
-                list(sharded_locals), self.infos, self.shard_group, streams=self.streams
+                self._on_device(list(sharded_locals)), self.infos, self.shard_group,
+                streams=self.streams,
             )
         return foreach_all_gather_copy_out(result)
 
@@ -158,6 +205,14 @@ class ParamGroup:
                 self.prefetch_backward()
         return self.eager.unsharded_for_backward
 
+    def drop_unsharded(self) -> None:
+        """Eager: frees a prefetched all-gather and parameters kept after backward."""
+        result, _ = self.eager.take_prefetched()
+        if result is not None:
+            foreach_all_gather_copy_out(result)  # complete the collective every rank joined
+        self.eager.unsharded_for_backward = None
+        self.eager.forward_unsharded = None
+
     def _end_backward(self) -> None:
         if self.reshard_after_backward:
             self.eager.unsharded_for_backward = None
@@ -170,6 +225,10 @@ class ParamGroup:
         # side effects inside an autograd.Function), and there it is always None.
         if self.reshard_after_backward and self.eager.unsharded_for_backward is not None:
             self.eager.unsharded_for_backward = None
+        if self.eager.forward_unsharded is not None:
+            if not self.reshard_after_backward and self.eager.unsharded_for_backward is None:
+                self.eager.unsharded_for_backward = list(self.eager.forward_unsharded)
+            self.eager.forward_unsharded = None
         # As in FSDP2, only parameters that received a gradient are reduced; the others
         # keep .grad None (which is what AdamW and weight decay expect).
         grads = {
@@ -189,7 +248,9 @@ class ParamGroup:
                 raise NotImplementedError(
                     "set_requires_gradient_sync(False) keeps unsharded gradients across "
                     "backward calls, which a compiled backward cannot hold; accumulate "
-                    "with gradient sync on, or run the no-sync microbatches eagerly"
+                    "with gradient sync on, or run the no-sync microbatches' backward "
+                    "eagerly (loss.backward() outside compiled_autograd._enable) and only "
+                    "the last microbatch, with set_requires_gradient_sync(True), compiled"
                 )
             self.eager.accumulated_unsharded_grads = grads
             return sharded_grads
@@ -210,50 +271,34 @@ def _shard_info(
     param: nn.Parameter,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None,
+    offload_to_cpu: bool,
 ) -> ShardInfo:
-    shard_dim = _shard_dim(fqn, param, shard_placement_fn)
+    shard_dim = shard_placement(fqn, param, mesh, shard_placement_fn)
     try:
         return make_shard_info(
             param.shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
             shard_dim=shard_dim, orig_dtype=param.dtype, param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
+            reduce_dtype=mp_policy.reduce_dtype, offload_to_cpu=offload_to_cpu,
         )
     except (TypeError, ValueError) as err:
         raise type(err)(f"parameter {fqn!r}: {err}") from None
 
 
 def _sharded_param(
-    param: nn.Parameter, info: ShardInfo, mesh: DeviceMesh, is_hsdp: bool
+    param: nn.Parameter,
+    info: ShardInfo,
+    mesh: DeviceMesh,
+    is_hsdp: bool,
+    device: torch.device,
+    pin_memory: bool,
 ) -> nn.Parameter:
-    local = shard_tensor(param.detach().to(mesh.device_type), info)
+    local = shard_tensor(param.detach().to(device), info)
+    if pin_memory and device.type == "cpu":
+        local = local.pin_memory()
     shard = Shard(info.shard_dim)
     placements = (Replicate(), shard) if is_hsdp else (shard,)
     dtensor = DTensor.from_local(
         local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride(),
     )
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
-
-
-def _shard_dim(
-    fqn: str,
-    param: nn.Parameter,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-) -> int:
-    if shard_placement_fn is None:
-        return 0
-    placement = shard_placement_fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise TypeError(
-            f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
-            "return a torch.distributed.tensor.Shard(dim) or None (for Shard(0))"
-        )
-    if param.ndim and not -param.ndim <= placement.dim < param.ndim:
-        raise ValueError(
-            f"shard_placement_fn returned Shard({placement.dim}) for parameter {fqn!r} of "
-            f"size {tuple(param.shape)}; return Shard(d) with {-param.ndim} <= d < {param.ndim}"
-        )
-    return placement.dim
-

@@ -166,7 +166,7 @@ def test_uneven_dim0_is_allowed() -> None:
     [
         (dict(orig_dtype=torch.int64), "orig_dtype", torch.int64),
         (dict(orig_dtype=torch.complex64), "orig_dtype", torch.complex64),
-        (dict(param_dtype=torch.float64), "param_dtype", torch.float64),
+        (dict(param_dtype=torch.int16), "param_dtype", torch.int16),
         (dict(reduce_dtype=torch.uint8), "reduce_dtype", torch.uint8),
         (dict(orig_dtype=torch.bool), "orig_dtype", torch.bool),
     ],

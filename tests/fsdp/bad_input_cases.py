@@ -2,7 +2,7 @@
 
 Each case is ``name -> (exception type, regex the message must match, call(mesh))``,
 the format of ``BAD_CALLS`` in ``test_fully_shard_features`` (whose cases are reused,
-not repeated, here). ``python -m tests.bad_input_cases`` prints the README table of
+not repeated, here). ``python -m tests.fsdp.bad_input_cases`` prints the README table of
 every case, these and the foreach collectives' cases of ``test_validation``.
 """
 
@@ -68,6 +68,11 @@ def _sharded_linear(mesh: DeviceMesh) -> nn.Module:
     return fully_shard(nn.Linear(4, 4), mesh=mesh)
 
 
+def _ignore_one_parameter(mesh: DeviceMesh) -> None:
+    module = nn.Linear(4, 4)
+    fully_shard(module, mesh=mesh, ignored_params=module.weight)
+
+
 def _meta(*size: int) -> torch.Tensor:
     return torch.zeros(*size, device="meta")
 
@@ -94,12 +99,6 @@ NEW_BAD_CALLS: dict[str, BadCall] = {
     "mixed_devices_cpu_and_meta": (
         ValueError, r"several device types \('lin.bias' on cpu, 'extra' on meta\)",
         lambda mesh: fully_shard(_WithParam(_meta(4)), mesh=mesh)),
-    "meta_device_parameters": (
-        ValueError, r"parameter '(weight|bias)' is on the meta device.*to_empty",
-        lambda mesh: fully_shard(nn.Linear(4, 4, device="meta"), mesh=mesh)),
-    "float64_parameter": (
-        TypeError, r"parameter 'weight': orig_dtype=torch.float64 is not supported",
-        lambda mesh: fully_shard(nn.Linear(4, 4).double(), mesh=mesh)),
     "zero_dim_parameter": (
         ValueError, r"parameter 'extra': .*0-dim parameter",
         lambda mesh: fully_shard(_WithParam(torch.tensor(2.0)), mesh=mesh)),
@@ -118,15 +117,30 @@ NEW_BAD_CALLS: dict[str, BadCall] = {
         ValueError, "'0.weight' is shared.*common ancestor", _tied_across_groups),
     "mp_param_dtype_int8": (
         TypeError, r"mp_policy.param_dtype=torch.int8", _policy(param_dtype=torch.int8)),
-    "mp_param_dtype_float64": (
-        TypeError, r"mp_policy.param_dtype=torch.float64", _policy(param_dtype=torch.float64)),
     "mp_reduce_dtype_int32": (
         TypeError, r"mp_policy.reduce_dtype=torch.int32", _policy(reduce_dtype=torch.int32)),
     "mp_output_dtype_int64": (
         TypeError, r"mp_policy.output_dtype=torch.int64", _policy(output_dtype=torch.int64)),
-    "reshard_after_forward_int": (
-        TypeError, "reshard_after_forward must be a bool, got int",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2)),
+    "reshard_after_forward_str": (
+        TypeError, "reshard_after_forward must be None, a bool or an int, got str",
+        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward="yes")),
+    "reshard_after_forward_int_not_a_factor": (
+        ValueError, "reshard_after_forward=3 must be a factor of the shard mesh size 2",
+        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)),
+    "module_list_empty": (
+        ValueError, "module is an empty list", lambda mesh: fully_shard([], mesh=mesh)),
+    "module_list_with_a_tensor": (
+        TypeError, r"module\[1\] must be an nn.Module, got Tensor",
+        lambda mesh: fully_shard([nn.Linear(4, 4), torch.ones(4)], mesh=mesh)),
+    "offload_policy_not_a_policy": (
+        TypeError, "offload_policy must be a torch.distributed.fsdp.OffloadPolicy",
+        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh, offload_policy="cpu")),
+    "ignored_params_single_parameter": (
+        TypeError, r"ignored_params must be a set of nn.Parameters, got Parameter",
+        lambda mesh: _ignore_one_parameter(mesh)),
+    "unshard_async_op_not_bool": (
+        TypeError, "async_op must be a bool, got str",
+        lambda mesh: _sharded_linear(mesh).unshard("yes")),
     "bucket_over_max_bucket_bytes": (
         ValueError, r"'weight' \(16, 16\).*1088 bytes.*split the module", _bucket_over_limit),
     "forward_input_on_meta": (

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as FSDP2Module
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 import fsdp_traceable
 from fsdp_traceable.collectives import comm
@@ -67,10 +68,21 @@ def count_calls(module: Any, name: str) -> Iterator[list[int]]:
         setattr(module, name, original)
 
 
-def count_all_gathers() -> contextlib.AbstractContextManager[list[int]]:
-    """Counts the all-gather collectives our eager path issues (the c10d call
-    ``comm.ALL_GATHER_C10D`` names); open it around our model's steps only."""
-    return count_calls(dist, comm.ALL_GATHER_C10D)
+@contextlib.contextmanager
+def count_all_gathers() -> Iterator[list[int]]:
+    """Counts the eager c10d all-gathers issued by either library, under both names
+    (``all_gather_single`` where torch has it, ``all_gather_into_tensor``).
+
+    Returns:
+        A one-element list; ``counter[0]`` is the number of all-gathers so far.
+    """
+    total = [0]
+    with count_calls(dist, "all_gather_into_tensor") as ours, \
+            count_calls(dist, "all_gather_single") as theirs:
+        try:
+            yield total
+        finally:
+            total[0] = ours[0] + theirs[0]
 
 
 def count_reduce_scatters() -> contextlib.AbstractContextManager[list[int]]:
@@ -298,16 +310,17 @@ def buffers(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def reshard_modes(rank: int, world_size: int) -> dict[str, Any]:
-    """reshard_after_forward False vs True, counting our all-gathers per step."""
-    base = seeded_transformer()
-    theirs = shard_copies(base)[0]
-    result = {"theirs": train(theirs, rank, world_size)}
-    for reshard in (True, False):
-        ours = shard_transformer(seeded_transformer(), fsdp_traceable.fully_shard,
-                                 reshard_after_forward=reshard)
-        with count_all_gathers() as gathers:
-            result[f"ours_reshard_{reshard}"] = train(ours, rank, world_size)
-        result[f"all_gathers_reshard_{reshard}"] = gathers[0]
+    """reshard_after_forward None (the default), True and False on every call, root
+    included, counting each library's all-gathers per step."""
+    result: dict[str, Any] = {}
+    for reshard in (None, True, False):
+        for name, fully_shard_fn in (("theirs", fsdp2_fully_shard),
+                                     ("ours", fsdp_traceable.fully_shard)):
+            model = shard_transformer(seeded_transformer(), fully_shard_fn,
+                                      reshard_after_forward=reshard)
+            with count_all_gathers() as gathers:
+                result[f"{name}_reshard_{reshard}"] = train(model, rank, world_size)
+            result[f"{name}_all_gathers_reshard_{reshard}"] = gathers[0]
     return result
 
 
@@ -351,10 +364,8 @@ def unshard_and_reshard_after_backward(rank: int, world_size: int) -> dict[str, 
         kept = _kept_after_backward_step(model, rank, world_size, optimizer)
         model.loss(*batch(30, rank, world_size)).backward()
         optimizer.step()
-        result[name] = {"params": full_params(model)}
-        if name == "ours":
-            result["all_gathers_after_unshard"] = after_unshard
-            result["all_gathers_kept_after_backward"] = kept
+        result[name] = {"params": full_params(model), "all_gathers_after_unshard": after_unshard,
+                        "all_gathers_kept_after_backward": kept}
     return result
 
 

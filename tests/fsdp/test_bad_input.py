@@ -170,5 +170,5 @@ def test_messages_are_identical_on_every_rank(gloo_results):
 
 
 def test_readme_errors_table_is_current() -> None:
-    """The README "Errors" tables are ``python -m tests.bad_input_cases``'s output."""
+    """The README "Errors" tables are ``python -m tests.fsdp.bad_input_cases``'s output."""
     assert errors_table() in README.read_text()

@@ -128,27 +128,35 @@ def test_buffers_untouched_by_sharding_and_used_in_forward(two_ranks):
 
 
 @pytest.mark.gloo
-def test_reshard_after_forward_false_matches_true_with_fewer_all_gathers(two_ranks):
+def test_reshard_after_forward_none_true_false_match_fsdp2_with_its_all_gathers(two_ranks):
     for result in _case(two_ranks, "reshard_modes"):
-        assert_same_training(result["theirs"], result["ours_reshard_True"])
-        assert_same_training(result["theirs"], result["ours_reshard_False"])
+        for reshard in (None, True, False):
+            assert_same_training(result[f"theirs_reshard_{reshard}"],
+                                 result[f"ours_reshard_{reshard}"])
+            assert (result[f"ours_all_gathers_reshard_{reshard}"]
+                    == result[f"theirs_all_gathers_reshard_{reshard}"])
         steps, blocks = 2, N_GROUPS - 1
-        # Resharding blocks gather again in backward; the root never reshards.
-        assert result["all_gathers_reshard_True"] == steps * (N_GROUPS + blocks)
-        assert result["all_gathers_reshard_False"] == steps * N_GROUPS
+        # None: blocks gather again in backward, the root does not; True on every
+        # call, the root included (FSDP2 honours it), gathers every group again.
+        assert result["ours_all_gathers_reshard_None"] == steps * (N_GROUPS + blocks)
+        assert result["ours_all_gathers_reshard_True"] == steps * 2 * N_GROUPS
+        assert result["ours_all_gathers_reshard_False"] == steps * N_GROUPS
 
 
 @pytest.mark.gloo
 def test_unshard_reshard_and_reshard_after_backward_match_fsdp2(two_ranks):
     for result in _case(two_ranks, "unshard"):
         assert_bitwise(result["theirs"]["params"], result["ours"]["params"], "parameters")
-        # After unshard() of every group, forward and backward gather nothing.
-        assert result["all_gathers_after_unshard"] == 0
-        # Blocks kept unsharded after the first microbatch's backward are reused by the
-        # second microbatch (forward and backward): only the root gathers again.
-        first, second = result["all_gathers_kept_after_backward"]
+        # After unshard() of every group, forward gathers nothing; the blocks reshard
+        # after that forward and gather again in backward, as under FSDP2.
+        assert result["ours"]["all_gathers_after_unshard"] == N_GROUPS - 1
+        # Groups kept unsharded after the first microbatch's backward serve the second
+        # microbatch's forward; the blocks reshard after it and gather in backward.
+        first, second = result["ours"]["all_gathers_kept_after_backward"]
         assert first == N_GROUPS + (N_GROUPS - 1)
-        assert second == 1
+        assert second == N_GROUPS - 1
+        for key in ("all_gathers_after_unshard", "all_gathers_kept_after_backward"):
+            assert result["ours"][key] == result["theirs"][key]
 
 
 @pytest.mark.gloo

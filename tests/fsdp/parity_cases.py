@@ -1,0 +1,325 @@
+"""Rank-side bodies of the FSDP2 parity tests for fully_shard's arguments, meta-device
+init, torch's ``FSDPModule`` surface and the unshard life cycle.
+
+Each case takes ``(rank, world_size, ...)``, builds one model, shards a copy with each
+library (torch's FSDP2 first), drives both through the same calls on the same data and
+returns plain results for the parent test; :func:`~tests.fsdp.feature_cases.run_cases`
+runs a list of them on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import Shard
+
+import fsdp_traceable
+from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+from tests.fsdp.parity_utils import (
+    backward_context,
+    batch,
+    full_params,
+    loss_fn,
+    make_optimizer,
+)
+
+# Uneven shards at 2 and 3 ranks: 71 vocabulary rows, 17 positions, 51 hidden rows.
+UNEVEN = TransformerConfig(vocab_size=71, dim=36, n_layers=2, n_heads=4, hidden_dim=51,
+                           max_seq_len=17)
+LIBRARIES = (("theirs", fsdp2_fully_shard), ("ours", fsdp_traceable.fully_shard))
+
+ShardFn = Callable[..., nn.Module]
+
+
+def titan_shard(model: Transformer, fully_shard_fn: Callable, **kwargs: Any) -> Transformer:
+    """torchtitan's recipe: each block, then ``[norm, output]`` as one group, then the root."""
+    for layer in model.layers:
+        fully_shard_fn(layer, **kwargs)
+    fully_shard_fn([model.norm, model.output], **kwargs)
+    fully_shard_fn(model, **kwargs)
+    return model
+
+
+def train_modes(
+    base: nn.Module,
+    rank: int,
+    world_size: int,
+    shard_fn: ShardFn,
+    mode: str = "eager",
+    steps: int = 3,
+    **shard_kwargs: Any,
+) -> dict[str, Any]:
+    """Trains FSDP2 eagerly and ours in ``mode`` (``eager``, ``compile-ca``), AdamW.
+
+    Args:
+        base: the unsharded model (left untouched).
+        rank, world_size: choose the data.
+        shard_fn: ``shard_fn(model, fully_shard_fn, **shard_kwargs)``.
+        mode: how ours runs; FSDP2 always runs eagerly.
+        steps: optimizer steps.
+        shard_kwargs: passed to both libraries' ``fully_shard``.
+
+    Returns:
+        ``{"theirs": ..., "ours": ...}``, each with ``losses``, ``params`` (full),
+        ``locals`` (this rank's shards) and ``grads`` (this rank's first-step local grads).
+    """
+    result = {}
+    for name, fully_shard_fn in LIBRARIES:
+        model = shard_fn(copy.deepcopy(base), fully_shard_fn, **shard_kwargs)
+        result[name] = run_steps(model, rank, world_size, mode if name == "ours" else "eager",
+                                 steps)
+    return result
+
+
+def run_steps(model: nn.Module, rank: int, world_size: int, mode: str, steps: int,
+              config: TransformerConfig = UNEVEN) -> dict[str, Any]:
+    """``steps`` AdamW steps of ``model.loss`` in ``mode``; see :func:`train_modes`."""
+    optimizer = make_optimizer("adamw", model.parameters())
+    compute_loss, backward_ctx = loss_fn(model, mode), backward_context(mode)
+    losses, grads = [], None
+    for step in range(steps):
+        loss = compute_loss(*batch(step, rank, world_size, config))
+        with backward_ctx():
+            loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = [None if p.grad is None else _local(p.grad).clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "params": full_params(model), "grads": grads,
+            "locals": [_local(p).detach().clone() for p in model.parameters()]}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def uneven_transformer(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(UNEVEN)
+
+
+# -- fully_shard's arguments ---------------------------------------------------------
+
+
+def module_list_group(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """``fully_shard([norm, output])`` between the blocks and the root (torchtitan)."""
+    return train_modes(uneven_transformer(), rank, world_size, titan_shard, mode)
+
+
+def root_reshard_true(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """``reshard_after_forward=True`` on every call, the root included."""
+    return train_modes(uneven_transformer(), rank, world_size, shard_transformer, mode,
+                       reshard_after_forward=True)
+
+
+def cpu_offload(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """``CPUOffloadPolicy(pin_memory=False)`` with the torchtitan grouping."""
+    result = train_modes(uneven_transformer(), rank, world_size, titan_shard, mode,
+                         offload_policy=CPUOffloadPolicy(pin_memory=False))
+    model = titan_shard(uneven_transformer(), fsdp_traceable.fully_shard,
+                        offload_policy=CPUOffloadPolicy(pin_memory=False))
+    result["offload_flags"] = sorted({m._fsdp_group.offload_to_cpu for m in model.modules()
+                                      if isinstance(m, fsdp_traceable.FSDPModule)})
+    return result
+
+
+def _ignored_norm_shard(model: Transformer, fully_shard_fn: Callable, **kwargs: Any) -> Transformer:
+    ignored = {model.layers[0].attention_norm.weight, model.norm.weight}
+    for layer in model.layers:
+        fully_shard_fn(layer, ignored_params=ignored, **kwargs)
+    fully_shard_fn(model, ignored_params=ignored, **kwargs)
+    return model
+
+
+def ignored_params(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """Two norm weights ignored: left unsharded, their gradients not reduced."""
+    result = train_modes(uneven_transformer(), rank, world_size, _ignored_norm_shard, mode)
+    model = _ignored_norm_shard(uneven_transformer(), fsdp_traceable.fully_shard)
+    result["ignored_types"] = [type(model.layers[0].attention_norm.weight).__name__,
+                               type(model.norm.weight).__name__]
+    return result
+
+
+def float64_params(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """A float64 model (gloo all-gathers and reduce-scatters float64)."""
+    return train_modes(uneven_transformer().double(), rank, world_size, shard_transformer, mode)
+
+
+def shard_placement_result(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """``shard_placement_fn`` returning ``ShardPlacementResult`` on fully_shard's mesh:
+    ``Shard(1)`` for matrices whose dim 1 divides evenly, the default otherwise."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    mesh_info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+
+    def placement(param: nn.Parameter) -> ShardPlacementResult:
+        even = param.ndim == 2 and param.shape[1] % world_size == 0
+        return ShardPlacementResult(placement=Shard(1) if even else None, mesh_info=mesh_info)
+
+    result = train_modes(uneven_transformer(), rank, world_size, shard_transformer, mode,
+                         mesh=mesh, shard_placement_fn=placement)
+    model = shard_transformer(uneven_transformer(), fsdp_traceable.fully_shard, mesh=mesh,
+                              shard_placement_fn=placement)
+    result["placements"] = sorted({str(p.placements) for p in model.parameters()})
+    return result
+
+
+# -- meta-device init ------------------------------------------------------------------
+
+
+def init_weights(model: nn.Module) -> None:
+    """A torchtitan-style ``init_weights``: truncated normal matrices, ones for norms."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            nn.init.ones_(param)
+        else:
+            nn.init.trunc_normal_(param, mean=0.0, std=0.02)
+
+
+def meta_init(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """Built on meta, sharded (torchtitan grouping), ``to_empty``, then initialized by
+    ``reset_parameters()`` of every module or by :func:`init_weights`, from one seed."""
+    result = {}
+    for name, fully_shard_fn in LIBRARIES:
+        with torch.device("meta"):
+            model = Transformer(UNEVEN)
+        titan_shard(model, fully_shard_fn)
+        model.to_empty(device="cpu")
+        torch.manual_seed(7)
+        if how == "reset_parameters":
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        else:
+            init_weights(model)
+        initial = [_local(p).detach().clone() for p in model.parameters()]
+        result[name] = run_steps(model, rank, world_size, "eager", 3)
+        result[name]["initial"] = initial
+        result[name]["devices"] = sorted({p.device.type for p in model.parameters()})
+    return result
+
+
+# -- torch's FSDPModule surface -----------------------------------------------------------
+
+
+class Scoring(Transformer):
+    """A transformer with a method other than forward that reads the root's parameters."""
+
+    def last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) + self.pos_embeddings.weight[: tokens.size(1)]
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))[:, -1]
+
+    def logits_via_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self(tokens)[:, -1] * self.output.weight.sum()
+
+
+def forward_methods(rank: int, world_size: int) -> dict[str, Any]:
+    """``register_fsdp_forward_method`` on ``last_logits`` (reads root parameters directly)
+    and on ``logits_via_forward`` (calls forward inside), with backward and a step."""
+    torch.manual_seed(0)
+    base = Scoring(UNEVEN)
+    result: dict[str, Any] = {}
+    for name, fully_shard_fn in LIBRARIES:
+        model = shard_transformer(copy.deepcopy(base), fully_shard_fn)
+        register_fsdp_forward_method(model, "last_logits")
+        register_fsdp_forward_method(model, "logits_via_forward")
+        optimizer = make_optimizer("adamw", model.parameters())
+        outputs = []
+        for step in range(4):
+            tokens, _ = batch(step, rank, world_size, UNEVEN)
+            # One method per backward: with several forwards before one backward, we
+            # reduce-scatter per forward where FSDP2 sums first (last bits differ).
+            method = model.last_logits if step % 2 == 0 else model.logits_via_forward
+            out = method(tokens)
+            out.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            outputs.append(out.detach())
+        result[name] = {"outputs": outputs, "params": full_params(model),
+                        "is_torch_fsdp_module": isinstance(model, TorchFSDPModule)}
+    return result
+
+
+# -- unshard life cycle -----------------------------------------------------------------
+
+
+def unshard_life_cycle(rank: int, world_size: int, async_op: bool) -> dict[str, Any]:
+    """``unshard()`` (all groups), forward, backward, step, then plain forwards: the
+    forward after the step must see the new weights. Also a bare unshard/reshard."""
+    base = uneven_transformer()
+    result: dict[str, Any] = {}
+    for name, fully_shard_fn in LIBRARIES:
+        model = shard_transformer(copy.deepcopy(base), fully_shard_fn)
+        optimizer = make_optimizer("adamw", model.parameters())
+        sums = []
+        for step in range(3):
+            if step < 2:
+                handles = [m.unshard(async_op=async_op) for m in model.modules()
+                           if isinstance(m, TorchFSDPModule)]
+                if async_op and step == 0:
+                    for handle in handles:
+                        handle.wait()
+            tokens, targets = batch(step, rank, world_size, UNEVEN)
+            logits = model(tokens)
+            sums.append(logits.detach().sum().item())
+            nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.unshard()
+        model.reshard()
+        with torch.no_grad():
+            sums.append(model(batch(9, rank, world_size, UNEVEN)[0]).sum().item())
+        result[name] = {"sums": sums, "params": full_params(model)}
+    return result
+
+
+# -- Hugging Face Llama ---------------------------------------------------------------------
+
+
+def llama_meta_init(rank: int, world_size: int) -> dict[str, Any]:
+    """A tiny ``LlamaForCausalLM`` (no weights) built on meta, sharded per decoder layer
+    and at the root, ``to_empty``, initialized from one seed, 3 AdamW steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=71, hidden_size=32, intermediate_size=51,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=False,
+                         attn_implementation="eager")
+    # Non-persistent buffers (the rotary frequencies) are computed in __init__, which
+    # meta skips; copy them from a model built on CPU, as an init_weights would.
+    reference_buffers = [b.clone() for b in LlamaForCausalLM(config).buffers()]
+    result = {}
+    for name, fully_shard_fn in LIBRARIES:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            fully_shard_fn(layer)
+        fully_shard_fn(model)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for buffer, reference in zip(model.buffers(), reference_buffers, strict=True):
+                buffer.copy_(reference)
+        torch.manual_seed(11)
+        init_weights(model)
+        optimizer = make_optimizer("adamw", model.parameters())
+        losses = []
+        for step in range(3):
+            tokens, targets = batch(step, rank, world_size, UNEVEN)
+            loss = model(input_ids=tokens, labels=targets).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        result[name] = {"losses": losses, "params": full_params(model)}
+    return result

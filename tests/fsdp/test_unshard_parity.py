@@ -1,0 +1,34 @@
+"""``unshard(async_op)`` / ``reshard()`` life cycle against FSDP2 on 2 and 3 gloo ranks.
+
+``unshard()`` of every group before the forwards of two steps (synchronous, or async
+with the handle waited once and left to the forward once), a plain third step, then a
+bare ``unshard()``/``reshard()`` and a no-grad forward: the forward outputs (the one
+after each optimizer step must use the new weights) and the parameters are FSDP2's,
+bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from tests.fsdp import parity_cases
+from tests.fsdp.feature_cases import assert_bitwise, run_cases
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def ranks(request) -> list[dict[str, Any]]:
+    cases = [(f"async_{a}", parity_cases.unshard_life_cycle, (a,)) for a in (False, True)]
+    return run_on_local_ranks(run_cases, request.param, cases, timeout_s=300)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("async_op", [False, True])
+def test_unshard_life_cycle_matches_fsdp2(ranks, async_op: bool):
+    for rank, per_rank in enumerate(ranks):
+        result = per_rank[f"async_{async_op}"]
+        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
+        assert result["ours"]["sums"] == result["theirs"]["sums"]
+        assert_bitwise(result["theirs"]["params"], result["ours"]["params"], "parameters")
