@@ -8,7 +8,11 @@ from collections.abc import Callable, Iterable
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # torch 2.11: shard_placement_fn returns Shard(dim) or None only
+    ShardPlacementResult = None
 from torch.distributed.tensor import Shard
 
 
@@ -146,7 +150,7 @@ def shard_placement(
     if shard_placement_fn is None:
         return 0
     placement = shard_placement_fn(param)
-    if isinstance(placement, ShardPlacementResult):
+    if ShardPlacementResult is not None and isinstance(placement, ShardPlacementResult):
         if placement.mesh_info.mesh is not mesh:
             raise NotImplementedError(
                 f"shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} "

@@ -8,12 +8,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..collectives.shard_info import SUPPORTED_DTYPES
 from .arguments import (
+    ShardPlacementResult,
     check_offload_policy,
     ignored_param_ids,
     module_list,
