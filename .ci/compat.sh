@@ -13,12 +13,15 @@ VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.11.0 2.14.1)
 
 # Ops and their fake impls, the collectives on gloo ranks, fully_shard eager + compile +
-# compiled autograd against FSDP2 on a small model, and the graph-break, recompile and
-# compiled-structure tests.
+# compiled autograd against FSDP2 on a small model (2 ranks), and the graph-break,
+# recompile and compiled-structure tests.
+FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
 SUBSET=(
   tests/collectives/test_ops.py
   tests/collectives/test_foreach_collectives.py
-  tests/fsdp/test_fully_shard.py
+  "$FULLY_SHARD[2-eager-adamw]"
+  "$FULLY_SHARD[2-compile-adamw]"
+  "$FULLY_SHARD[2-compile-ca-sgd]"
   compile_tests/test_fully_shard_compile.py
   compile_tests/test_graph_breaks.py
   compile_tests/test_recompiles.py
@@ -35,7 +38,8 @@ for version in "${VERSIONS[@]}"; do
   "$venv/bin/pip" install -q --no-deps -e .
   echo "torch $version: installed in $((SECONDS - start)) s"
   set +e
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider "${SUBSET[@]}"
+  TORCHINDUCTOR_CACHE_DIR="$PWD/$venv/inductor_cache" \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider "${SUBSET[@]}"
   rc=$?
   set -e
   echo "torch $version: compatibility subset exit $rc after $((SECONDS - start)) s"

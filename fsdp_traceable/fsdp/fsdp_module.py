@@ -195,6 +195,14 @@ class ForwardHooks:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return post_forward(module, self._scopes.pop(), output)
 
+    @property
+    def _comm_ctx(self) -> Any:
+        # torch's share_comm_ctx reads FSDP2's stream context from here.
+        raise NotImplementedError(
+            "torch.distributed.fsdp.share_comm_ctx is not supported for fsdp_traceable's "
+            "modules: each parameter group keeps its own copy-in stream; leave it out"
+        )
+
 
 def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict, ForwardScope]:
     """Casts the inputs and binds the group's unsharded parameters to its modules.

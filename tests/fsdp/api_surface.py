@@ -1,0 +1,102 @@
+"""FSDP2's public surface next to ours, as the README's API table.
+
+Introspects both libraries: a row per FSDP2 name (``torch.distributed.fsdp``'s FSDP2
+exports, and every public method of its ``FSDPModule``), with its status computed, not
+written: *same* (our signature equals FSDP2's, or torch's own object serves), *differs*
+(implemented, with the difference stated in :data:`DIFFERENCES`) or *missing* (raises
+``NotImplementedError``). ``python -m tests.fsdp.api_surface`` prints the table;
+``tests/fsdp/test_api_surface.py`` checks the README holds it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.distributed.fsdp as fsdp2
+
+import fsdp_traceable
+
+# FSDP2's exports in torch.distributed.fsdp (the rest of __all__ is FSDP1's API).
+FSDP2_EXPORTS = (
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+    "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx", "DataParallelMeshDims",
+)
+
+# torch's own objects that work with our modules as they are (checked by the parity tests).
+TORCH_OBJECTS_THAT_SERVE = {
+    "MixedPrecisionPolicy": "torch's class (also exported as `fsdp_traceable.MixedPrecisionPolicy`)",
+    "OffloadPolicy": "torch's class, accepted by `offload_policy=`",
+    "CPUOffloadPolicy": "torch's class: parameters, gradients and optimizer state on CPU",
+    "UnshardHandle": "torch's class: `unshard(async_op=True)` returns a subclass",
+    "register_fsdp_forward_method": "torch's function works on our modules",
+}
+
+# Implemented, with a difference from FSDP2 a user can see.
+DIFFERENCES = {
+    "fully_shard": "an int `reshard_after_forward` other than 1 or the shard size, and a "
+                   "`ShardPlacementResult` on another mesh, raise `NotImplementedError`",
+    "set_is_last_backward": "accepted and ignored: our backward leaves no reduction pending",
+    "set_requires_gradient_sync": "`False` raises under a compiled backward (run no-sync "
+                                  "microbatches eagerly)",
+}
+
+# Why a missing name is missing (default: it reads FSDP2's internal state).
+MISSING_BECAUSE = {
+    "share_comm_ctx": "torch's function raises `NotImplementedError` on our modules: "
+                      "each group keeps its own copy-in stream",
+    "DataParallelMeshDims": "FSDP2's mesh-dims description is not accepted yet",
+}
+_DEFAULT_MISSING = "not implemented yet; raises `NotImplementedError`"
+
+
+def _same_signature(theirs: object, ours: object) -> bool:
+    def params(fn: object) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    try:
+        return params(theirs) == params(ours)
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_unsupported(method: object) -> bool:
+    return "_unsupported" in getattr(method, "__qualname__", "")
+
+
+def rows() -> list[tuple[str, str, str]]:
+    """``(name, status, note)`` for every FSDP2 export and ``FSDPModule`` method."""
+    table = []
+    for name in FSDP2_EXPORTS:
+        if name in TORCH_OBJECTS_THAT_SERVE:
+            table.append((f"`{name}`", "same", TORCH_OBJECTS_THAT_SERVE[name]))
+        elif name in MISSING_BECAUSE:
+            table.append((f"`{name}`", "missing", MISSING_BECAUSE[name]))
+        else:
+            ours = getattr(fsdp_traceable, name)
+            same = _same_signature(getattr(fsdp2, name), ours) if callable(ours) else False
+            status = "differs" if name in DIFFERENCES or not same else "same"
+            table.append((f"`{name}`", status, DIFFERENCES.get(name, "")))
+    for name, theirs in sorted(vars(fsdp2.FSDPModule).items()):
+        if name.startswith("_") or not callable(theirs):
+            continue
+        ours = getattr(fsdp_traceable.FSDPModule, name)
+        if _is_unsupported(ours):
+            table.append((f"`FSDPModule.{name}`", "missing",
+                          MISSING_BECAUSE.get(name, _DEFAULT_MISSING)))
+            continue
+        same = _same_signature(theirs, ours)
+        status = "differs" if name in DIFFERENCES or not same else "same"
+        note = DIFFERENCES.get(name, "" if same else "signature differs")
+        table.append((f"`FSDPModule.{name}`", status, note))
+    return table
+
+
+def api_table() -> str:
+    """The README's API table, as markdown."""
+    lines = ["| FSDP2 | ours | how / why |", "|---|---|---|"]
+    lines += [f"| {name} | {status} | {note} |" for name, status, note in rows()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(api_table(), end="")
