@@ -24,6 +24,8 @@ they never overlap.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -89,18 +91,13 @@ def _triton_serves(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def _triton_module():
-    try:
-        import triton_kernels
-    except ImportError as error:
-        raise RuntimeError(
-            "fsdp_traceable.config.copy_kernels='triton' needs the triton package: "
-            "install triton, or set copy_kernels to 'inductor' or 'foreach'"
-        ) from error
-    if not triton_kernels.is_available():
+    if not triton_importable():
         raise RuntimeError(
             "fsdp_traceable.config.copy_kernels='triton' needs the triton package: "
             "install triton, or set copy_kernels to 'inductor' or 'foreach'"
         )
+    import triton_kernels
+
     return triton_kernels
 
 
@@ -156,10 +153,10 @@ AUTO_TRACED_GPU = {
 }
 
 
+@functools.cache
 def triton_importable() -> bool:
-    """Whether the ``triton`` package (and so :mod:`triton_kernels`) can be imported."""
-    import importlib.util
-
+    """Whether the ``triton`` package (and so :mod:`triton_kernels`) can be imported;
+    looked up once, not on every copy."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -17,7 +17,7 @@ from . import saved_unsharded
 from .autograd_bridge import unshard_params
 from .param_group import ParamGroup
 
-_fsdp_classes: dict[type, type] = {}
+_fsdp_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 _owner_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 
 

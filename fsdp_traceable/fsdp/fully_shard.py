@@ -99,16 +99,12 @@ def fully_shard(
         _replaced_params[param] = True
     for sharded in group.sharded_params:
         setattr(sharded, _SHARDED_MARK, True)
-    by_param: dict[int, nn.Parameter] = {}
-    for (fqn, param, owners), sharded in zip(owned, group.sharded_params):
-        by_param[id(param)] = sharded
+    owner_names: dict[int, tuple[nn.Module, list[str]]] = {}
+    # group.sharded_params[i] is the sharded owned[i].
+    for index, ((_, _, owners), sharded) in enumerate(zip(owned, group.sharded_params)):
         for owner, name in owners:
             owner._parameters[name] = sharded
-    index = {id(p): i for i, p in enumerate(group.sharded_params)}
-    owner_names: dict[int, tuple[nn.Module, list[str]]] = {}
-    for fqn, param, owners in owned:
-        for owner, name in owners:
-            group.bind(owner, name, index[id(by_param[id(param)])])
+            group.bind(owner, name, index)
             owner_names.setdefault(id(owner), (owner, []))[1].append(name)
     roots = {id(m) for m in modules}
     for owner, names in owner_names.values():

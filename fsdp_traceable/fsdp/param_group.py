@@ -64,7 +64,7 @@ class ParamGroup:
         self._reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        # The root group (set by link_groups) never reshards after forward.
+        # The root group (set by link_groups) reshards after forward only when told to.
         self.is_root = False
 
         # The parameters: one ShardInfo and one sharded DTensor parameter each.
