@@ -45,19 +45,20 @@ def module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     )
 
 
-def reshard_after_forward_flag(value: object, mesh: DeviceMesh) -> bool | None:
-    """FSDP2's ``reshard_after_forward`` as ``True``/``False``/``None`` (root-dependent).
+def reshard_after_forward_flag(value: object, mesh: DeviceMesh) -> bool | int | None:
+    """FSDP2's ``reshard_after_forward``, checked and normalized.
 
     An int is the size of the group to reshard to after forward: 1 means ``False``
-    (FSDP2 warns the same) and the shard dimension's size means ``True``; other
-    divisors would need a second, smaller all-gather group and are not supported.
+    (FSDP2 warns the same), the shard dimension's size means ``True``, and any other
+    divisor of it stays an int.
 
     Args:
         value: the argument as passed.
         mesh: the group's mesh (its last dim is the shard dim).
 
     Returns:
-        ``None`` (``True`` for non-root groups, ``False`` for the root), or a bool.
+        ``None`` (``True`` for non-root groups, ``False`` for the root), a bool, or the
+        post-forward group size.
     """
     if value is None or isinstance(value, bool):
         return value
@@ -78,13 +79,7 @@ def reshard_after_forward_flag(value: object, mesh: DeviceMesh) -> bool | None:
             "instead of reshard_after_forward=True (bool)", stacklevel=3,
         )
         return False
-    if value == shard_size:
-        return True
-    raise NotImplementedError(
-        f"reshard_after_forward={value} (reshard to groups of {value} ranks after forward) "
-        f"is not supported: use None, True, False, 1 (same as False) or {shard_size} "
-        "(the shard mesh size, same as True)"
-    )
+    return True if value == shard_size else value
 
 
 def check_offload_policy(offload_policy: object) -> bool:

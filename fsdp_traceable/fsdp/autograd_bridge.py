@@ -86,6 +86,14 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
     # parameter through it, not through its module (see _module_params).
     if not group.infos:  # e.g. a root whose parameters all live in sharded blocks
         return ()
+    if group.post_forward is not None and comm.use_traced_path():
+        size = group.post_forward.group_size
+        raise NotImplementedError(
+            f"reshard_after_forward={size} (keep 1/{size} of the parameters between "
+            "forward and backward) runs eagerly only: a compiled graph re-gathers from "
+            "the sharded parameters. Under torch.compile use reshard_after_forward=True "
+            "or False (e.g. set_reshard_after_forward(True))"
+        )
     params = _module_params(group) if comm.use_traced_path() else group.sharded_params
     # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
     # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which

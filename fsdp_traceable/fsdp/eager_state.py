@@ -19,6 +19,9 @@ class EagerState:
     gathered, to keep after backward as FSDP2 does.
     ``accumulated_unsharded_grads``: no-sync microbatches' gradients, by parameter
     index, in the reduce dtype.
+    ``post_forward``: with ``reshard_after_forward=N``, this rank's piece of the last
+    forward all-gather's output and the parameters' versions then (the next
+    all-gather re-gathers from it unless a parameter changed since).
     """
 
     def __init__(self) -> None:
@@ -27,6 +30,8 @@ class EagerState:
         self.unsharded_for_backward: list[torch.Tensor] | None = None
         self.forward_unsharded: tuple[torch.Tensor, ...] | None = None
         self.accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
+        self.post_forward: torch.Tensor | None = None
+        self.post_forward_versions: list[tuple[int, int]] = []
 
     def prefetch(self, result: AllGatherResult, versions: list[tuple[int, int]]) -> None:
         self.prefetched, self.prefetched_versions = result, versions
@@ -35,6 +40,14 @@ class EagerState:
         """The prefetched all-gather and its versions; clears it."""
         result, self.prefetched = self.prefetched, None
         return result, self.prefetched_versions
+
+    def keep_post_forward(self, piece: torch.Tensor, versions: list[tuple[int, int]]) -> None:
+        self.post_forward, self.post_forward_versions = piece, versions
+
+    def take_post_forward(self) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+        """The kept post-forward piece and its versions; clears it."""
+        piece, self.post_forward = self.post_forward, None
+        return piece, self.post_forward_versions
 
     def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None:
         """The no-sync gradients accumulated so far; clears them."""

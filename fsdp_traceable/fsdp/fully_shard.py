@@ -57,7 +57,9 @@ def fully_shard(
         reshard_after_forward: free the unsharded parameters after forward and
             all-gather them again in backward. ``None``: ``True`` except for the root
             group (the module ``fully_shard`` is applied to last). An int is the group
-            size to reshard to: 1 (as ``False``) or the shard mesh size (as ``True``).
+            size to reshard to: 1 (as ``False``), the shard mesh size (as ``True``), or
+            another divisor of it: eager backward then re-gathers over that many ranks
+            from a piece kept after forward (compiled, this raises).
         shard_placement_fn: maps a parameter to ``Shard(dim)``, ``None`` (``Shard(0)``)
             or a ``ShardPlacementResult`` on ``mesh``.
         mp_policy: the mixed-precision policy (torch's ``MixedPrecisionPolicy``).

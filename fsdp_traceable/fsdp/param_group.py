@@ -24,6 +24,7 @@ from ..collectives import (
 from ..collectives.validation import check_bucket_bytes
 from .arguments import shard_placement
 from .eager_state import EagerState
+from .post_forward import PostForwardResharding
 
 
 class ParamGroup:
@@ -39,7 +40,7 @@ class ParamGroup:
         named_params: list[tuple[str, nn.Parameter]],
         mesh: DeviceMesh,
         *,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
         shard_placement_fn: Callable[[nn.Parameter], object] | None,
         offload_to_cpu: bool = False,
@@ -60,8 +61,11 @@ class ParamGroup:
 
         # Policy: set at fully_shard time, changed by FSDPModule's setters.
         self.mp_policy = mp_policy
-        # None: FSDP2's default, True except for the root group.
-        self._reshard_after_forward = reshard_after_forward
+        # None: FSDP2's default, True except for the root group. An int N (between 1
+        # and the shard size) reshards to groups of N ranks after forward.
+        self._reshard_after_forward: bool | None = None
+        self.post_forward: PostForwardResharding | None = None
+        self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         # The root group (set by link_groups) reshards after forward only when told to.
@@ -108,8 +112,12 @@ class ParamGroup:
         return self._reshard_after_forward
 
     @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool | None) -> None:
-        self._reshard_after_forward = value
+    def reshard_after_forward(self, value: bool | int | None) -> None:
+        if isinstance(value, bool) or value is None:
+            self._reshard_after_forward, self.post_forward = value, None
+        else:
+            self._reshard_after_forward = True
+            self.post_forward = PostForwardResharding(self.mesh, value)
 
     def _shard_device(self, param: nn.Parameter) -> torch.device:
         """Where a sharded parameter lives: meta stays meta (FSDP2 materializes later)."""
@@ -139,6 +147,10 @@ class ParamGroup:
     # -- forward -----------------------------------------------------------------
 
     def start_all_gather(self) -> AllGatherResult:
+        """Eager: issues the all-gather, from the post-forward pieces when kept."""
+        kept, versions = self.eager.take_post_forward()
+        if kept is not None and self.post_forward is not None and versions == self._local_versions():
+            return self.post_forward.regather(kept, tuple(self.infos))
         locals_ = self._on_device([p._local_tensor for p in self.sharded_params])
         return foreach_all_gather(locals_, self.infos, self.shard_group, streams=self.streams)
 
@@ -180,11 +192,14 @@ class ParamGroup:
             return self.eager.unsharded_for_backward
         result = self._take_prefetched()
         if result is None:
-            result = foreach_all_gather(
-                self._on_device(list(sharded_locals)), self.infos, self.shard_group,
-                streams=self.streams,
-            )
-        return foreach_all_gather_copy_out(result)
+            result = self.start_all_gather()
+        unsharded = foreach_all_gather_copy_out(result)
+        if self.post_forward is not None:
+            # FSDP2 keeps this piece from the forward's end until the next all-gather;
+            # it is taken now, while the all-gather output is alive.
+            self.eager.keep_post_forward(self.post_forward.keep(result),
+                                         self._local_versions())
+        return unsharded
 
     # -- backward ----------------------------------------------------------------
 
@@ -212,6 +227,7 @@ class ParamGroup:
             foreach_all_gather_copy_out(result)  # complete the collective every rank joined
         self.eager.unsharded_for_backward = None
         self.eager.forward_unsharded = None
+        self.eager.take_post_forward()
 
     def _end_backward(self) -> None:
         if self.reshard_after_backward:

@@ -33,8 +33,9 @@ TORCH_OBJECTS_THAT_SERVE = {
 
 # Implemented, with a difference from FSDP2 a user can see.
 DIFFERENCES = {
-    "fully_shard": "an int `reshard_after_forward` other than 1 or the shard size, and a "
-                   "`ShardPlacementResult` on another mesh, raise `NotImplementedError`",
+    "fully_shard": "an int `reshard_after_forward` other than 1 or the shard size is "
+                   "eager-only (compiled, it raises `NotImplementedError`); a "
+                   "`ShardPlacementResult` on another mesh raises `NotImplementedError`",
     "set_is_last_backward": "accepted and ignored: our backward leaves no reduction pending",
     "set_requires_gradient_sync": "`False` raises under a compiled backward (run no-sync "
                                   "microbatches eagerly)",

@@ -9,11 +9,13 @@ runs a list of them on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
@@ -322,4 +324,47 @@ def llama_meta_init(rank: int, world_size: int) -> dict[str, Any]:
             optimizer.zero_grad()
             losses.append(loss.item())
         result[name] = {"losses": losses, "params": full_params(model)}
+    return result
+
+
+# -- reshard_after_forward=N -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def all_gather_group_sizes() -> Iterator[list[int]]:
+    """Records the process-group size of every eager c10d all-gather either library issues."""
+    sizes: list[int] = []
+    originals = {name: getattr(dist, name) for name in ("all_gather_into_tensor",
+                                                        "all_gather_single")
+                 if hasattr(dist, name)}
+
+    def recording(original: Callable) -> Callable:
+        def call(output, input, group=None, *args, **kwargs):
+            sizes.append(dist.get_world_size(group))
+            return original(output, input, group, *args, **kwargs)
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, recording(original))
+    try:
+        yield sizes
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def reshard_to_subgroups(rank: int, world_size: int, group_size: int) -> dict[str, Any]:
+    """``reshard_after_forward=group_size`` on every group (torchtitan grouping): the
+    training numbers, and the group size of each all-gather in one step's forward and
+    backward."""
+    result = train_modes(uneven_transformer(), rank, world_size, titan_shard,
+                         reshard_after_forward=group_size)
+    for name, fully_shard_fn in LIBRARIES:
+        model = titan_shard(uneven_transformer(), fully_shard_fn, reshard_after_forward=group_size)
+        with all_gather_group_sizes() as forward_sizes:
+            loss = model.loss(*batch(0, rank, world_size, UNEVEN))
+        with all_gather_group_sizes() as backward_sizes:
+            loss.backward()
+        result[name]["forward_group_sizes"] = forward_sizes
+        result[name]["backward_group_sizes"] = backward_sizes
     return result

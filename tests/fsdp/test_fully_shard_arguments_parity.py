@@ -74,21 +74,6 @@ def test_compiled_autograd_within_1e5_of_fsdp2(ranks, name: str):
         _assert_close(theirs["params"], ours["params"], "parameters", 1e-5)
 
 
-def test_int_reshard_after_forward_other_than_1_or_the_shard_size_raises() -> None:
-    with fake_process_group(4, reset_dynamo=False):
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (4,))
-        module = nn.Linear(4, 4)
-        with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 .*use None, "
-                                                      r"True, False, 1 .* or 4"):
-            fully_shard(module, mesh=mesh, reshard_after_forward=2)
-        assert type(module) is nn.Linear
-        with pytest.warns(UserWarning, match="reshard_after_forward=1"):
-            one = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=1)
-        assert one._fsdp_group.reshard_after_forward is False
-        four = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=4)
-        assert four._fsdp_group.reshard_after_forward is True
-
-
 def test_shard_placement_result_on_another_mesh_raises() -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,
