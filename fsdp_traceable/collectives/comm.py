@@ -119,12 +119,19 @@ class DeviceStreams:
         module = getattr(torch, device.type, None)
         self._has_streams = device.type != "cpu" and hasattr(module, "Stream")
         self.copy_in = module.Stream(device=device) if self._has_streams else None
+        # FSDP2's post-optimizer event: the next copy-in waits on it instead of on all
+        # work queued so far on the current stream.
+        self.post_optim_event: torch.Event | None = None
 
     def copy_in_context(self) -> contextlib.AbstractContextManager:
         """Runs the copy-in (and the collective that reads it) on the copy-in stream."""
+        event, self.post_optim_event = self.post_optim_event, None
         if not self._has_streams:
             return contextlib.nullcontext()
-        self.copy_in.wait_stream(torch.get_device_module(self.device.type).current_stream())
+        if event is not None:
+            self.copy_in.wait_event(event)
+        else:
+            self.copy_in.wait_stream(torch.get_device_module(self.device.type).current_stream())
         return torch.get_device_module(self.device.type).stream(self.copy_in)
 
     def consume(self, tensor: torch.Tensor) -> None:

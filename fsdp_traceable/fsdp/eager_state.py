@@ -19,6 +19,9 @@ class EagerState:
     gathered, to keep after backward as FSDP2 does.
     ``accumulated_unsharded_grads``: no-sync microbatches' gradients, by parameter
     index, in the reduce dtype.
+    ``partial_reduce_output``: HSDP with ``set_requires_all_reduce(False)``: the
+    reduce-scatter outputs summed so far, all-reduced by the next backward that
+    all-reduces.
     ``post_forward``: with ``reshard_after_forward=N``, this rank's piece of the last
     forward all-gather's output and the parameters' versions then (the next
     all-gather re-gathers from it unless a parameter changed since).
@@ -30,6 +33,7 @@ class EagerState:
         self.unsharded_for_backward: list[torch.Tensor] | None = None
         self.forward_unsharded: tuple[torch.Tensor, ...] | None = None
         self.accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
+        self.partial_reduce_output: torch.Tensor | None = None
         self.post_forward: torch.Tensor | None = None
         self.post_forward_versions: list[tuple[int, int]] = []
 
@@ -48,6 +52,13 @@ class EagerState:
         """The kept post-forward piece and its versions; clears it."""
         piece, self.post_forward = self.post_forward, None
         return piece, self.post_forward_versions
+
+    def take_partial_reduce_output(self) -> torch.Tensor | None:
+        """The HSDP reduce-scatter outputs accumulated so far; clears them."""
+        partial = self.partial_reduce_output
+        if partial is not None:  # no mutation while a backward is traced
+            self.partial_reduce_output = None
+        return partial
 
     def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None:
         """The no-sync gradients accumulated so far; clears them."""

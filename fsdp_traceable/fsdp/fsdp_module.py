@@ -3,6 +3,7 @@ swap that lets a module read its unsharded parameters during forward."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -13,8 +14,9 @@ from torch.distributed.fsdp import UnshardHandle
 from torch.utils._pytree import tree_map
 
 from ..collectives import comm
-from . import saved_unsharded
+from . import module_settings, saved_unsharded
 from .autograd_bridge import unshard_params
+from .module_settings import check_bool, groups_of
 from .param_group import ParamGroup
 
 _fsdp_classes: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -86,8 +88,9 @@ class FSDPModule(TorchFSDPModule):
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
         check_bool("requires_gradient_sync", requires_gradient_sync)
-        for group in _groups(self, recurse):
+        for group in groups_of(self, recurse):
             group.requires_gradient_sync = requires_gradient_sync
+            group.requires_all_reduce = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free the parameters re-gathered for backward once it finishes.
@@ -98,7 +101,7 @@ class FSDPModule(TorchFSDPModule):
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
         check_bool("reshard_after_backward", reshard_after_backward)
-        for group in _groups(self, recurse):
+        for group in groups_of(self, recurse):
             group.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -112,12 +115,23 @@ class FSDPModule(TorchFSDPModule):
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
         check_bool("reshard_after_forward", reshard_after_forward)
-        for group in _groups(self, recurse):
+        for group in groups_of(self, recurse):
             group.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: backward leaves no reduction pending to wait for."""
         check_bool("is_last_backward", is_last_backward)
+
+    set_requires_all_reduce = module_settings.set_requires_all_reduce
+    set_gradient_divide_factor = module_settings.set_gradient_divide_factor
+    set_reduce_scatter_divide_factor = module_settings.set_reduce_scatter_divide_factor
+    set_force_sum_reduction_for_comms = module_settings.set_force_sum_reduction_for_comms
+    set_reduce_scatter_unused_params = module_settings.set_reduce_scatter_unused_params
+    set_all_reduce_hook = module_settings.set_all_reduce_hook
+    set_modules_to_forward_prefetch = module_settings.set_modules_to_forward_prefetch
+    set_modules_to_backward_prefetch = module_settings.set_modules_to_backward_prefetch
+    set_unshard_in_backward = module_settings.set_unshard_in_backward
+    set_post_optim_event = module_settings.set_post_optim_event
 
     def _get_fsdp_state(self) -> ForwardHooks:
         """What torch's ``register_fsdp_forward_method`` wrapper calls around a method."""
@@ -184,8 +198,9 @@ class ForwardHooks:
     """FSDP2's ``_pre_forward``/``_post_forward`` pair, for torch's
     ``register_fsdp_forward_method``; scopes nest as the methods do."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self._scopes: list[ForwardScope] = []
+        self._module = weakref.ref(module)
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, kwargs, scope = pre_forward(module, args, kwargs)
@@ -195,13 +210,19 @@ class ForwardHooks:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return post_forward(module, self._scopes.pop(), output)
 
+    # torch's share_comm_ctx reads one module's stream context and assigns it to the
+    # others through these.
     @property
-    def _comm_ctx(self) -> Any:
-        # torch's share_comm_ctx reads FSDP2's stream context from here.
-        raise NotImplementedError(
-            "torch.distributed.fsdp.share_comm_ctx is not supported for fsdp_traceable's "
-            "modules: each parameter group keeps its own copy-in stream; leave it out"
-        )
+    def _comm_ctx(self) -> comm.DeviceStreams:
+        return self._module()._fsdp_group.streams
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, streams: comm.DeviceStreams) -> None:
+        self._module()._fsdp_group.streams = streams
+
+    @property
+    def _fsdp_param_groups(self) -> list:
+        return []  # share_comm_ctx's per-group assignment: done by the setter above
 
 
 def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict, ForwardScope]:
@@ -218,6 +239,13 @@ def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, d
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
     traced = comm.use_traced_path()
+    if traced and (group.explicit_forward_prefetch or group.explicit_backward_prefetch):
+        raise NotImplementedError(
+            "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch schedule "
+            "eager all-gathers; in a compiled graph Inductor places them "
+            "(torch.compile(options=fsdp_traceable.inductor_options(overlap=True))). "
+            "Pass [] to both setters before compiling"
+        )
     shared = len(group.modules) > 1
     if group.explicit_unsharded is not None:
         unsharded = group.explicit_unsharded
@@ -347,19 +375,8 @@ def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
 def swap_class(module: nn.Module, cls: type) -> None:
     module.__dict__.setdefault("_fsdp_unsharded", {})
     if issubclass(cls, FSDPModule):
-        module.__dict__["_fsdp_forward_hooks"] = ForwardHooks()
+        module.__dict__["_fsdp_forward_hooks"] = ForwardHooks(module)
     module.__class__ = cls
-
-
-def _groups(module: FSDPModule, recurse: bool) -> list[ParamGroup]:
-    if not recurse:
-        return [module._fsdp_group]
-    return [m._fsdp_group for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _check_input_device(module: nn.Module, device_type: str, args: tuple, kwargs: dict) -> None:

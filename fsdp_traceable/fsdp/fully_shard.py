@@ -216,7 +216,8 @@ def _link_groups(root: FSDPModule) -> None:
     position = {id(g): i for i, g in enumerate(groups)}
     for m in fsdp_modules:
         i = position[id(m._fsdp_group)]
-        m._fsdp_next_groups = groups[i + 1 : i + 2]
+        if not m._fsdp_group.explicit_forward_prefetch:
+            m._fsdp_next_groups = groups[i + 1 : i + 2]
     for i, group in enumerate(groups):
         # groups[0] is the root, which by default keeps its parameters unsharded
         # from forward through backward, so nothing prefetches it.

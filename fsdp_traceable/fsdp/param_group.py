@@ -68,6 +68,16 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        # Gradient reduction and prefetch settings (see module_settings).
+        self.requires_all_reduce = True
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.reduce_scatter_unused_params = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: torch.Stream | None = None
+        self.unshard_in_backward = True
+        self.explicit_forward_prefetch = False
+        self.explicit_backward_prefetch = False
         # The root group (set by link_groups) reshards after forward only when told to.
         self.is_root = False
 
@@ -142,7 +152,8 @@ class ParamGroup:
     def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None) -> None:
         """Sets whether this is the root group and what its backward prefetches."""
         self.is_root = is_root
-        self.prefetch_backward = prefetch_backward
+        if not self.explicit_backward_prefetch:
+            self.prefetch_backward = prefetch_backward
 
     # -- forward -----------------------------------------------------------------
 
@@ -206,6 +217,12 @@ class ParamGroup:
     def unsharded_for_backward(self) -> list[torch.Tensor]:
         """Eager: the parameters re-gathered once for this group's backward."""
         if self.eager.unsharded_for_backward is None:
+            if not self.unshard_in_backward:
+                raise RuntimeError(
+                    f"the backward of the group of {self.fqns[:3]} reads its parameters, but "
+                    "set_unshard_in_backward(False) was called on its module: set it back "
+                    "to True (False is only for modules whose backward needs no parameters)"
+                )
             result = self._take_prefetched()
             if result is None:
                 result = self.start_all_gather()
@@ -229,6 +246,26 @@ class ParamGroup:
         self.eager.forward_unsharded = None
         self.eager.take_post_forward()
 
+    def _all_reduce_hook(self) -> Callable[[torch.Tensor], None] | None:
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        if hook is None or stream is None:
+            return hook
+        if comm.use_traced_path():
+            raise NotImplementedError(
+                "set_all_reduce_hook(stream=...) runs the hook on its own stream, which a "
+                "compiled backward does not schedule: set the hook without stream="
+            )
+
+        def on_stream(reduce_output: torch.Tensor) -> None:
+            device_module = torch.get_device_module(self.device.type)
+            current = device_module.current_stream()
+            stream.wait_stream(current)
+            with device_module.stream(stream):
+                hook(reduce_output)
+            current.wait_stream(stream)
+
+        return on_stream
+
     def _end_backward(self) -> None:
         if self.reshard_after_backward:
             self.eager.unsharded_for_backward = None
@@ -251,6 +288,11 @@ class ParamGroup:
             i: grad for i, (grad, param) in enumerate(zip(unsharded_grads, self.sharded_params))
             if grad is not None and param.requires_grad
         }
+        if self.reduce_scatter_unused_params:
+            for i, (info, param) in enumerate(zip(self.infos, self.sharded_params)):
+                if i not in grads and param.requires_grad:
+                    grads[i] = torch.zeros(info.global_size, dtype=info.param_dtype,
+                                           device=self.device)
         accumulated = self.eager.take_accumulated_grads()
         if accumulated is not None or not self.requires_gradient_sync:
             # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
@@ -273,10 +315,25 @@ class ParamGroup:
         if not grads:
             return sharded_grads
         indices = sorted(grads)
+        skip_all_reduce = self.is_hsdp and not self.requires_all_reduce
+        if skip_all_reduce and comm.use_traced_path():
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) keeps the reduce-scattered gradients across "
+                "backward calls, which a compiled backward cannot hold; run those "
+                "microbatches' backward eagerly and only the last one compiled"
+            )
         result = foreach_reduce(
             [grads[i] for i in indices], [self.infos[i] for i in indices], self.shard_group,
             all_reduce_group=self.replicate_group,
+            gradient_divide_factor=self.gradient_divide_factor,
+            force_sum_reduction=self.force_sum_reduction,
+            all_reduce_grads=not skip_all_reduce,
+            partial_reduce_output=self.eager.take_partial_reduce_output(),
+            all_reduce_hook=self._all_reduce_hook(),
         )
+        if result.sharded_grads is None:
+            self.eager.partial_reduce_output = result.partial_reduce_output
+            return sharded_grads
         for i, grad in zip(indices, result.sharded_grads):
             sharded_grads[i] = grad
         return sharded_grads

@@ -29,6 +29,8 @@ TORCH_OBJECTS_THAT_SERVE = {
     "CPUOffloadPolicy": "torch's class: parameters, gradients and optimizer state on CPU",
     "UnshardHandle": "torch's class: `unshard(async_op=True)` returns a subclass",
     "register_fsdp_forward_method": "torch's function works on our modules",
+    "share_comm_ctx": "torch's function works on our modules: their groups share one "
+                      "copy-in stream",
 }
 
 # Implemented, with a difference from FSDP2 a user can see.
@@ -37,15 +39,31 @@ DIFFERENCES = {
                    "eager-only (compiled, it raises `NotImplementedError`); a "
                    "`ShardPlacementResult` on another mesh raises `NotImplementedError`",
     "set_is_last_backward": "accepted and ignored: our backward leaves no reduction pending",
+    "set_gradient_divide_factor": "a factor other than the shard size sums, then divides the "
+                                  "output (FSDP2 uses NCCL's `premul_sum`; the numbers equal "
+                                  "its sum-only ones)",
+    "set_modules_to_forward_prefetch": "eager; a non-empty list raises under `torch.compile` "
+                                       "(Inductor places the all-gathers)",
+    "set_modules_to_backward_prefetch": "eager; a non-empty list raises under `torch.compile` "
+                                        "(Inductor places the all-gathers)",
+    "set_requires_all_reduce": "`False` raises under a compiled backward (run those "
+                               "microbatches eagerly)",
+    "set_all_reduce_hook": "`stream=` raises under a compiled backward",
+    "set_post_optim_event": "eager: the next copy-in of every group below waits on the event; a "
+                            "compiled graph's all-gathers already follow the optimizer on "
+                            "the current stream",
+    "set_unshard_in_backward": "our backward all-gathers only what it reads; `False` on a "
+                               "module whose backward reads its parameters raises",
     "set_requires_gradient_sync": "`False` raises under a compiled backward (run no-sync "
                                   "microbatches eagerly)",
 }
 
 # Why a missing name is missing (default: it reads FSDP2's internal state).
 MISSING_BECAUSE = {
-    "share_comm_ctx": "torch's function raises `NotImplementedError` on our modules: "
-                      "each group keeps its own copy-in stream",
     "DataParallelMeshDims": "FSDP2's mesh-dims description is not accepted yet",
+    "set_allocate_memory_from_process_group_for_comm": "NCCL memory-pool buffers: our "
+        "collectives allocate from the caching allocator (and Inductor, compiled)",
+    "set_symm_mem_for_comm": "NCCL symmetric memory: not used by our collectives",
 }
 _DEFAULT_MISSING = "not implemented yet; raises `NotImplementedError`"
 

@@ -37,10 +37,27 @@ def test_notes_name_real_methods_and_missing_ones_raise():
             raise AssertionError(f"{name} is listed missing but did not raise")
 
 
-def test_share_comm_ctx_raises_clearly_on_our_modules(fake_mesh):
-    import pytest
+def test_share_comm_ctx_shares_one_stream_context(fake_mesh):
     import torch.nn as nn
 
-    modules = [fsdp_traceable.fully_shard(nn.Linear(4, 4), mesh=fake_mesh) for _ in range(2)]
-    with pytest.raises(NotImplementedError, match="share_comm_ctx is not supported"):
-        fsdp2.share_comm_ctx(modules)
+    modules = [fsdp_traceable.fully_shard(nn.Linear(4, 4), mesh=fake_mesh) for _ in range(3)]
+    assert modules[0]._fsdp_group.streams is not modules[1]._fsdp_group.streams
+    fsdp2.share_comm_ctx(modules)
+    assert all(m._fsdp_group.streams is modules[0]._fsdp_group.streams for m in modules)
+
+
+def test_post_optim_event_is_used_by_the_next_copy_in_only(fake_mesh):
+    import torch
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fsdp_traceable.fully_shard(model[0], mesh=fake_mesh)
+    fsdp_traceable.fully_shard(model, mesh=fake_mesh)
+    event = torch.Event(device="cpu")
+    model.set_post_optim_event(event)
+    groups = [model._fsdp_group, model[0]._fsdp_group]
+    assert all(g.streams.post_optim_event is event for g in groups)
+    with groups[0].streams.copy_in_context():
+        pass
+    assert groups[0].streams.post_optim_event is None
+    assert groups[1].streams.post_optim_event is event

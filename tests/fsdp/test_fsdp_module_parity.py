@@ -17,7 +17,12 @@ from tests.fsdp.feature_cases import assert_bitwise, run_cases
 
 IMPLEMENTED = {"unshard", "reshard", "reset_iter_state", "set_requires_gradient_sync",
                "set_reshard_after_forward", "set_reshard_after_backward",
-               "set_is_last_backward", "_get_fsdp_state", "_apply"}
+               "set_is_last_backward", "_get_fsdp_state", "_apply", "set_requires_all_reduce",
+               "set_gradient_divide_factor", "set_reduce_scatter_divide_factor",
+               "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",
+               "set_all_reduce_hook", "set_modules_to_forward_prefetch",
+               "set_modules_to_backward_prefetch", "set_unshard_in_backward",
+               "set_post_optim_event"}
 
 
 def test_sharded_modules_are_torch_fsdp_modules(fake_mesh):
