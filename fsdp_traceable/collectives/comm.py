@@ -84,17 +84,22 @@ def all_gather_into(
     return PendingTensor(output, work)
 
 
-def reduce_scatter(flat_input: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
-    """Reduce-scatters ``flat_input`` with ``op`` (``"sum"`` or ``"avg"``) and waits."""
+def start_reduce_scatter(
+    flat_input: torch.Tensor, op: str, group: dist.ProcessGroup
+) -> PendingTensor:
+    """Starts a reduce-scatter of ``flat_input`` with ``op`` (``"sum"`` or ``"avg"``);
+    :func:`wait` returns its output (eager: an async c10d call, whose work keeps
+    ``flat_input`` alive until it completes)."""
     if use_traced_path():
-        # Raw ops and one explicit wait (funcol's wrappers already wait while tracing).
+        # The raw op; the wait is in :func:`wait` (funcol's wrappers wait while tracing).
         output = torch.ops._c10d_functional.reduce_scatter_tensor(
             flat_input, op, group.size(), _group_name(group)
         )
-        return funcol.wait_tensor(output)
+        return PendingTensor(output, None)
     output = flat_input.new_empty(flat_input.numel() // group.size())
-    getattr(dist, REDUCE_SCATTER_C10D)(output, flat_input, op=_C10D_OPS[op], group=group)
-    return output
+    work = getattr(dist, REDUCE_SCATTER_C10D)(output, flat_input, op=_C10D_OPS[op], group=group,
+                                              async_op=True)
+    return PendingTensor(output, work)
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:

@@ -8,7 +8,7 @@ with FSDP2's divide factors (see :mod:`~fsdp_traceable.collectives.divide_factor
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..sizes import flatten_sizes
 from . import comm, copy_backends
-from .divide_factors import gradient_divide_schedule
+from .divide_factors import ReduceSchedule, gradient_divide_schedule
 from .shard_info import ShardInfo
 from .validation import (
     check_bucket,
@@ -26,7 +26,14 @@ from .validation import (
     normalize_reduce_op,
 )
 
-__all__ = ["ReduceResult", "accumulate_sharded_grad", "foreach_reduce"]
+__all__ = [
+    "PendingReduce",
+    "ReduceResult",
+    "accumulate_sharded_grad",
+    "finish_foreach_reduce",
+    "foreach_reduce",
+    "start_foreach_reduce",
+]
 
 
 class ReduceResult(NamedTuple):
@@ -42,8 +49,35 @@ class ReduceResult(NamedTuple):
     partial_reduce_output: torch.Tensor | None
 
 
+class PendingReduce(NamedTuple):
+    """A reduction whose reduce-scatter is in flight; pass it to :func:`finish_foreach_reduce`."""
+
+    reduce_output: comm.PendingTensor
+    infos: tuple[ShardInfo, ...]
+    schedule: ReduceSchedule
+    orig_dtype: torch.dtype
+    all_reduce_group: dist.ProcessGroup | None
+    all_reduce_grads: bool
+    partial_reduce_output: torch.Tensor | None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
+    accumulate_into: Sequence[torch.Tensor] | None
+
+
 @torch.no_grad()
-def foreach_reduce(
+def foreach_reduce(*args: Any, **kwargs: Any) -> ReduceResult:
+    """Reduce-scatters a bucket of unsharded gradients into sharded gradients.
+
+    :func:`start_foreach_reduce` then :func:`finish_foreach_reduce`; the arguments are
+    the former's.
+
+    Returns:
+        The :class:`ReduceResult`.
+    """
+    return finish_foreach_reduce(start_foreach_reduce(*args, **kwargs))
+
+
+@torch.no_grad()
+def start_foreach_reduce(
     unsharded_grads: Sequence[torch.Tensor],
     infos: Sequence[ShardInfo],
     reduce_scatter_group: dist.ProcessGroup,
@@ -56,8 +90,8 @@ def foreach_reduce(
     partial_reduce_output: torch.Tensor | None = None,
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
     accumulate_into: Sequence[torch.Tensor] | None = None,
-) -> ReduceResult:
-    """Reduce-scatters a bucket of unsharded gradients into sharded gradients.
+) -> PendingReduce:
+    """Copies a bucket of unsharded gradients in and starts its reduce-scatter.
 
     One reduce-scatter over ``reduce_scatter_group`` (and, for HSDP, one all-reduce
     over ``all_reduce_group``) for the whole bucket, with FSDP2's averaging
@@ -82,7 +116,8 @@ def foreach_reduce(
             post-accumulate-grad hooks.
 
     Returns:
-        The :class:`ReduceResult`.
+        The :class:`PendingReduce` (in eager mode an async c10d reduce-scatter, so
+        compute can run before :func:`finish_foreach_reduce`).
     """
     check_bucket(unsharded_grads, infos, reduce_scatter_group, tensors_name="unsharded_grads",
                  expect="unsharded")
@@ -115,34 +150,53 @@ def foreach_reduce(
         _nontrivial(schedule.predivide_factor),
     )
     if world_size > 1:
-        reduce_output = comm.reduce_scatter(reduce_input, schedule.reduce_scatter_op,
-                                            reduce_scatter_group)
+        reduce_output = comm.start_reduce_scatter(reduce_input, schedule.reduce_scatter_op,
+                                                  reduce_scatter_group)
     else:
-        reduce_output = reduce_input
+        reduce_output = comm.PendingTensor(reduce_input, None)
+    return PendingReduce(
+        reduce_output, tuple(infos), schedule, orig_dtype, all_reduce_group, all_reduce_grads,
+        partial_reduce_output, all_reduce_hook, accumulate_into,
+    )
 
+
+@torch.no_grad()
+def finish_foreach_reduce(pending: PendingReduce) -> ReduceResult:
+    """Waits for the reduce-scatter, runs the HSDP all-reduce and the hook, and
+    unpacks the sharded gradients (accumulating them where asked).
+
+    Args:
+        pending: what :func:`start_foreach_reduce` returned.
+
+    Returns:
+        The :class:`ReduceResult`.
+    """
+    reduce_output = comm.wait(pending.reduce_output)
+    infos, schedule = pending.infos, pending.schedule
+    all_reduce_group, partial_reduce_output = pending.all_reduce_group, pending.partial_reduce_output
     if all_reduce_group is not None:
-        if not all_reduce_grads:
+        if not pending.all_reduce_grads:
             if partial_reduce_output is not None:
                 reduce_output = partial_reduce_output + reduce_output
             return ReduceResult(None, reduce_output)
         if partial_reduce_output is not None:
             reduce_output = reduce_output + partial_reduce_output
-        if all_reduce_size > 1:
+        if all_reduce_group.size() > 1:
             reduce_output = comm.all_reduce(reduce_output, schedule.all_reduce_op,
                                             all_reduce_group)
-    if all_reduce_hook is not None:
-        all_reduce_hook(reduce_output)
+    if pending.all_reduce_hook is not None:
+        pending.all_reduce_hook(reduce_output)
 
     sizes_flat, ndims = flatten_sizes([info.sharded_size for info in infos])
     sharded_grads = torch.ops.fsdp_traceable.reduce_scatter_view_out(
         reduce_output, sizes_flat, ndims, [i.padded_sharded_numel for i in infos],
-        orig_dtype, _nontrivial(schedule.postdivide_factor),
+        pending.orig_dtype, _nontrivial(schedule.postdivide_factor),
     )
     sharded_grads = [
         grad.to("cpu") if info.offload_to_cpu else grad for grad, info in zip(sharded_grads, infos)
     ]
-    if accumulate_into is not None:
-        for param, grad in zip(accumulate_into, sharded_grads):
+    if pending.accumulate_into is not None:
+        for param, grad in zip(pending.accumulate_into, sharded_grads):
             accumulate_sharded_grad(param, grad)
     return ReduceResult(sharded_grads, None)
 

@@ -13,17 +13,20 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..collectives import (
     AllGatherResult,
+    ReduceResult,
     ShardInfo,
+    accumulate_sharded_grad,
     comm,
     foreach_all_gather,
     foreach_all_gather_copy_out,
-    foreach_reduce,
     make_shard_info,
     shard_tensor,
 )
+from ..collectives.reduce import finish_foreach_reduce, start_foreach_reduce
 from ..collectives.validation import check_bucket_bytes
 from .arguments import shard_placement
 from .eager_state import EagerState
+from . import reduce_queue
 from .post_forward import PostForwardResharding
 
 
@@ -322,7 +325,7 @@ class ParamGroup:
                 "backward calls, which a compiled backward cannot hold; run those "
                 "microbatches' backward eagerly and only the last one compiled"
             )
-        result = foreach_reduce(
+        pending = start_foreach_reduce(
             [grads[i] for i in indices], [self.infos[i] for i in indices], self.shard_group,
             all_reduce_group=self.replicate_group,
             gradient_divide_factor=self.gradient_divide_factor,
@@ -331,12 +334,27 @@ class ParamGroup:
             partial_reduce_output=self.eager.take_partial_reduce_output(),
             all_reduce_hook=self._all_reduce_hook(),
         )
-        if result.sharded_grads is None:
-            self.eager.partial_reduce_output = result.partial_reduce_output
+        if not comm.use_traced_path():
+            # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
+            # groups' gradients; the gradients reach .grad when it is finished (by the
+            # next group's reduction or at the end of backward), not through autograd.
+            reduce_queue.put(pending, lambda result: self._accumulate(indices, result))
             return sharded_grads
+        result = finish_foreach_reduce(pending)
         for i, grad in zip(indices, result.sharded_grads):
             sharded_grads[i] = grad
         return sharded_grads
+
+    def _accumulate(self, indices: list[int], result: ReduceResult) -> None:
+        """Eager: a finished reduction's gradients into the sharded parameters' ``.grad``."""
+        if result.sharded_grads is None:
+            self.eager.partial_reduce_output = result.partial_reduce_output
+            return
+        for i, grad in zip(indices, result.sharded_grads):
+            param = self.sharded_params[i]
+            # A zero-size parameter gets no gradient, as through autograd (see unshard_params).
+            if param.numel():
+                accumulate_sharded_grad(param, grad)
 
 
 def _shard_info(

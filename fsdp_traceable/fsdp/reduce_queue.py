@@ -1,0 +1,43 @@
+"""Eager gradient reductions in flight, finished in order.
+
+A group's backward starts its reduce-scatter and returns; the reduction is finished
+(waited, all-reduced for HSDP, unpacked into ``.grad``) when the next group starts
+its own, so one reduce-scatter overlaps the next group's gradient computation, and
+at the latest when the backward pass ends. FSDP2 keeps one in flight the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..collectives import ReduceResult
+from ..collectives.reduce import PendingReduce, finish_foreach_reduce
+
+_in_flight: list[tuple[PendingReduce, Callable[[ReduceResult], None]]] = []
+
+
+def put(pending: PendingReduce, on_finished: Callable[[ReduceResult], None]) -> None:
+    """Adds a started reduction, then finishes every earlier one.
+
+    Args:
+        pending: the started reduction.
+        on_finished: called with its result once it is finished.
+    """
+    if not _in_flight:
+        torch.autograd.Variable._execution_engine.queue_callback(finish_all)
+    _in_flight.append((pending, on_finished))
+    while len(_in_flight) > 1:
+        _finish_oldest()
+
+
+def finish_all() -> None:
+    """Finishes every reduction in flight (the end-of-backward callback)."""
+    while _in_flight:
+        _finish_oldest()
+
+
+def _finish_oldest() -> None:
+    pending, on_finished = _in_flight.pop(0)
+    on_finished(finish_foreach_reduce(pending))
