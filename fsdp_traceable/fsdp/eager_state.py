@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import AllGatherResult
+from .all_gather_extensions import PendingUnshard
 
 
 class EagerState:
@@ -22,16 +22,16 @@ class EagerState:
     """
 
     def __init__(self) -> None:
-        self.prefetched: AllGatherResult | None = None
+        self.prefetched: PendingUnshard | None = None
         self.prefetched_versions: list[tuple[int, int]] = []
         self.unsharded_for_backward: list[torch.Tensor] | None = None
         self.forward_unsharded: tuple[torch.Tensor, ...] | None = None
         self.accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
 
-    def prefetch(self, result: AllGatherResult, versions: list[tuple[int, int]]) -> None:
+    def prefetch(self, result: PendingUnshard, versions: list[tuple[int, int]]) -> None:
         self.prefetched, self.prefetched_versions = result, versions
 
-    def take_prefetched(self) -> tuple[AllGatherResult | None, list[tuple[int, int]]]:
+    def take_prefetched(self) -> tuple[PendingUnshard | None, list[tuple[int, int]]]:
         """The prefetched all-gather and its versions; clears it."""
         result, self.prefetched = self.prefetched, None
         return result, self.prefetched_versions
