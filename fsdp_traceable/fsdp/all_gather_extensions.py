@@ -20,7 +20,7 @@ fresh tensors, so there is no earlier unsharded parameter to refill.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,6 +48,10 @@ class AllGatherExtension:
 
     fqn: str
     info: ShardInfo
+    # The hooks as functions of the subclass, called with the local tensor first: Dynamo
+    # inlines such a call, where a method call on a tensor would become a graph op.
+    pre_hook: Callable[..., tuple[Sequence[torch.Tensor], object]]
+    post_hook: Callable[..., tuple[torch.Tensor, object]]
     pre_takes_mesh_only: bool
     shard_mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
@@ -56,10 +60,10 @@ class AllGatherExtension:
     def pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
         """Calls the pre hook on ``local``; returns its all-gather inputs and metadata."""
         if self.pre_takes_mesh_only:
-            inputs, metadata = local.fsdp_pre_all_gather(self.shard_mesh)
+            inputs, metadata = self.pre_hook(local, self.shard_mesh)
         else:
-            inputs, metadata = local.fsdp_pre_all_gather(
-                self.shard_mesh, self.info.global_size,
+            inputs, metadata = self.pre_hook(
+                local, self.shard_mesh, self.info.global_size,
                 make_contiguous_strides_for(self.info.global_size), self.module,
                 self.mp_policy,
             )
@@ -78,9 +82,7 @@ class AllGatherExtension:
         self, local: torch.Tensor, outputs: Sequence[torch.Tensor], metadata: object
     ) -> torch.Tensor:
         """Calls the post hook; returns the unsharded parameter at its original size."""
-        unsharded, _ = local.fsdp_post_all_gather(
-            tuple(outputs), metadata, self.info.param_dtype
-        )
+        unsharded, _ = self.post_hook(local, tuple(outputs), metadata, self.info.param_dtype)
         size = self.info.global_size
         stride = make_contiguous_strides_for(size)
         if unsharded.size() != size or unsharded.stride() != tuple(stride):
@@ -165,7 +167,11 @@ def detect_extension(
             "the shard mesh: give the 2-D mesh dim names (init_device_mesh(..., "
             "mesh_dim_names=('replicate', 'shard')))"
         )
-    return AllGatherExtension(fqn, info, num_args == 1, shard_mesh, mp_policy)
+    subclass = type(local)
+    return AllGatherExtension(
+        fqn, info, subclass.fsdp_pre_all_gather, subclass.fsdp_post_all_gather, num_args == 1,
+        shard_mesh, mp_policy,
+    )
 
 
 class AllGatherInputs(NamedTuple):
