@@ -25,11 +25,11 @@ _PRESERVED_OPS = {
 }
 
 
-class Float8CastWeight(torch.Tensor):
-    """A high-precision weight that FSDP all-gathers in float8."""
+class WrappedWeight(torch.Tensor):
+    """A wrapper subclass around a high-precision tensor, without FSDP hooks."""
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor) -> Float8CastWeight:
+    def __new__(cls, tensor: torch.Tensor) -> WrappedWeight:
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
@@ -48,14 +48,18 @@ class Float8CastWeight(torch.Tensor):
         return pytree.tree_map_only(torch.Tensor, cls, out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], None
+        return ["_tensor"], type(self)
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        return Float8CastWeight(inner_tensors["_tensor"])
+    def __tensor_unflatten__(inner_tensors, subclass, outer_size, outer_stride):
+        return subclass(inner_tensors["_tensor"])
 
     def __repr__(self) -> str:
-        return f"Float8CastWeight({self._tensor})"
+        return f"{type(self).__name__}({self._tensor})"
+
+
+class Float8CastWeight(WrappedWeight):
+    """A high-precision weight that FSDP all-gathers in float8."""
 
     def fsdp_pre_all_gather(
         self,
@@ -132,4 +136,4 @@ def shard_float8_mlp(model: Float8MLP, fully_shard_fn, **kwargs) -> Float8MLP:
 def plain(tensor: torch.Tensor) -> torch.Tensor:
     """The high-precision data of ``tensor`` (a DTensor's local shard, unwrapped)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return (local._tensor if isinstance(local, Float8CastWeight) else local).detach().clone()
+    return (local._tensor if isinstance(local, WrappedWeight) else local).detach().clone()
