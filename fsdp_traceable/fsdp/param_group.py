@@ -134,23 +134,27 @@ class ParamGroup:
                 param._local_tensor = param._local_tensor.pin_memory()
             self.sharded_params[index] = param
         self.extensions = self._detect_extensions()
-        for owner, _, index in reversed(self.bindings):
-            if self.extensions[index] is not None:
-                self.extensions[index].module = owner
+        for owner, _, index in self.bindings:
+            self._set_extension_module(owner, index)
         self.eager = EagerState()
 
     def _detect_extensions(self) -> list[AllGatherExtension | None]:
-        return [
+        extensions = [
             detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy)
             for fqn, param, info in zip(self.fqns, self.sharded_params, self.infos)
         ]
+        self.has_extensions = any(e is not None for e in extensions)
+        return extensions
+
+    def _set_extension_module(self, owner: nn.Module, index: int) -> None:
+        extension = self.extensions[index]
+        if extension is not None and extension.module is None:
+            extension.module = owner  # the first module holding it, as in FSDP2
 
     def bind(self, owner: nn.Module, name: str, index: int) -> None:
         """Records that ``owner.<name>`` is parameter ``index`` of this group."""
         self.bindings.append((owner, name, index))
-        extension = self.extensions[index]
-        if extension is not None and extension.module is None:
-            extension.module = owner  # the first module holding it, as in FSDP2
+        self._set_extension_module(owner, index)
 
     def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None) -> None:
         """Sets whether this is the root group and what its backward prefetches."""
@@ -169,7 +173,7 @@ class ParamGroup:
         self, sharded_locals: list[torch.Tensor], streams: comm.DeviceStreams | None
     ) -> PendingUnshard:
         sharded_locals = self._on_device(sharded_locals)
-        if not any(self.extensions):
+        if not self.has_extensions:
             result = foreach_all_gather(sharded_locals, self.infos, self.shard_group,
                                         streams=streams)
             return PendingUnshard(result, None)
