@@ -46,12 +46,12 @@ def _compiled_against_fsdp2_eager(rank: int, world_size: int) -> dict:
         loss_theirs.backward()
         opt_theirs.step()
         opt_theirs.zero_grad()
-        loss = []
-        breaks = count_graph_breaks(lambda: loss.append(step_ours(x, y)))
+        step_losses: list[torch.Tensor] = []
+        breaks = count_graph_breaks(lambda out, a, b: out.append(step_ours(a, b)), step_losses, x, y)
         graph_breaks += breaks.count
         opt_ours.step()
         opt_ours.zero_grad()
-        losses.append((loss_theirs.item(), loss[0].item(), breaks.reasons))
+        losses.append((loss_theirs.item(), step_losses[0].item(), breaks.reasons))
     # The loss after the last update, from the updated parameters of each side.
     next_losses = (theirs.loss(*_batch(STEPS, rank)).item(),
                    loss_ours(*_batch(STEPS, rank)).item())

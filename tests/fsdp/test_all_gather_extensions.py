@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 import torch
@@ -167,7 +168,7 @@ def test_hooks_are_detected_at_fully_shard_time_only(eager_runs):
 class _MeshOnlyWeight(Float8CastWeight):
     """The older one-argument pre hook (even sharding: no padding needed)."""
 
-    calls: list[tuple] = []
+    calls: ClassVar[list[tuple]] = []
 
     def fsdp_pre_all_gather(self, mesh):
         _MeshOnlyWeight.calls.append((mesh,))
