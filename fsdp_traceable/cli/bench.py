@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-from ..collectives import foreach_all_gather_copy_out, foreach_reduce
+from ..collectives import foreach_reduce
 from ..fsdp import FSDPModule
 from ..fsdp import fully_shard as ours_fully_shard
 from ..models.transformer import Transformer, shard_transformer
@@ -84,10 +84,10 @@ def _comm_only_step(model: Transformer, device: str) -> Callable[[int], None]:
 
     def step_fn(step: int) -> None:
         for group in groups:
-            foreach_all_gather_copy_out(group.start_all_gather())
+            group.finish_all_gather(group.start_all_gather())
         for group in reversed(groups):
             if group.reshard_after_forward:
-                foreach_all_gather_copy_out(group.start_all_gather())
+                group.finish_all_gather(group.start_all_gather())
             foreach_reduce(grads[id(group)], group.infos, group.shard_group)
 
     return step_fn

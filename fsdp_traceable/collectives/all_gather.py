@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..sizes import flatten_sizes
 from . import comm, copy_backends
-from .shard_info import ShardInfo
+from .shard_info import SUPPORTED_DTYPES, ShardInfo
 from .validation import check_bucket, check_bucket_bytes
 
 __all__ = ["AllGatherResult", "foreach_all_gather", "foreach_all_gather_copy_out"]
@@ -33,9 +33,12 @@ class AllGatherResult(NamedTuple):
 
 
 def all_gather_dtype(infos: Sequence[ShardInfo]) -> torch.dtype:
-    """The bucket's all-gather dtype: the common ``param_dtype``, or ``uint8`` if mixed."""
+    """The bucket's all-gather dtype: the common ``param_dtype``, or ``uint8`` if mixed
+    or if it is one no backend reduces or gathers natively (e.g. float8)."""
     dtypes = {info.param_dtype for info in infos}
-    return dtypes.pop() if len(dtypes) == 1 else torch.uint8
+    if len(dtypes) == 1 and (dtype := dtypes.pop()) in SUPPORTED_DTYPES:
+        return dtype
+    return torch.uint8
 
 
 @torch.no_grad()

@@ -48,7 +48,9 @@ def check_bucket(
             "move every tensor of a bucket to one device"
         )
     for i, (tensor, info) in enumerate(zip(tensors, infos)):
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        # An all-gather extension's inputs (e.g. float8 data) carry their own dtype as
+        # the info's param_dtype and travel as bytes.
+        if tensor.dtype not in SUPPORTED_DTYPES and tensor.dtype != info.param_dtype:
             raise TypeError(
                 f"{tensors_name}[{i}] has dtype {tensor.dtype}; FSDP communicates "
                 f"floating tensors of dtype {', '.join(map(str, SUPPORTED_DTYPES))}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import AllGatherResult
+from .all_gather_extensions import PendingUnshard
+from .post_forward import KeptPiece
 
 
 class EagerState:
@@ -28,27 +29,27 @@ class EagerState:
     """
 
     def __init__(self) -> None:
-        self.prefetched: AllGatherResult | None = None
+        self.prefetched: PendingUnshard | None = None
         self.prefetched_versions: list[tuple[int, int]] = []
         self.unsharded_for_backward: list[torch.Tensor] | None = None
         self.forward_unsharded: tuple[torch.Tensor, ...] | None = None
         self.accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
         self.partial_reduce_output: torch.Tensor | None = None
-        self.post_forward: torch.Tensor | None = None
+        self.post_forward: KeptPiece | None = None
         self.post_forward_versions: list[tuple[int, int]] = []
 
-    def prefetch(self, result: AllGatherResult, versions: list[tuple[int, int]]) -> None:
+    def prefetch(self, result: PendingUnshard, versions: list[tuple[int, int]]) -> None:
         self.prefetched, self.prefetched_versions = result, versions
 
-    def take_prefetched(self) -> tuple[AllGatherResult | None, list[tuple[int, int]]]:
+    def take_prefetched(self) -> tuple[PendingUnshard | None, list[tuple[int, int]]]:
         """The prefetched all-gather and its versions; clears it."""
         result, self.prefetched = self.prefetched, None
         return result, self.prefetched_versions
 
-    def keep_post_forward(self, piece: torch.Tensor, versions: list[tuple[int, int]]) -> None:
+    def keep_post_forward(self, piece: KeptPiece, versions: list[tuple[int, int]]) -> None:
         self.post_forward, self.post_forward_versions = piece, versions
 
-    def take_post_forward(self) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+    def take_post_forward(self) -> tuple[KeptPiece | None, list[tuple[int, int]]]:
         """The kept post-forward piece and its versions; clears it."""
         piece, self.post_forward = self.post_forward, None
         return piece, self.post_forward_versions

@@ -12,7 +12,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..collectives import (
-    AllGatherResult,
     ReduceResult,
     ShardInfo,
     accumulate_sharded_grad,
@@ -24,6 +23,13 @@ from ..collectives import (
 )
 from ..collectives.reduce import finish_foreach_reduce, start_foreach_reduce
 from ..collectives.validation import check_bucket_bytes
+from .all_gather_extensions import (
+    AllGatherExtension,
+    PendingUnshard,
+    all_gather_inputs,
+    detect_extension,
+    unsharded_from_outputs,
+)
 from .arguments import shard_placement
 from .eager_state import EagerState
 from . import reduce_queue
@@ -96,6 +102,8 @@ class ParamGroup:
                            pin_memory)
             for (_, param), info in zip(named_params, self.infos)
         ]
+        # Per parameter: its all-gather hooks when its local tensor is such a subclass.
+        self.extensions: list[AllGatherExtension | None] = self._detect_extensions()
         # (module, attribute name, parameter index) for every module attribute that
         # holds one of the parameters (a tied weight has several).
         self.bindings: list[tuple[nn.Module, str, int]] = []
@@ -146,11 +154,28 @@ class ParamGroup:
             if self.pin_memory and not param._local_tensor.is_pinned():
                 param._local_tensor = param._local_tensor.pin_memory()
             self.sharded_params[index] = param
+        self.extensions = self._detect_extensions()
+        for owner, _, index in self.bindings:
+            self._set_extension_module(owner, index)
         self.eager = EagerState()
+
+    def _detect_extensions(self) -> list[AllGatherExtension | None]:
+        extensions = [
+            detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy)
+            for fqn, param, info in zip(self.fqns, self.sharded_params, self.infos)
+        ]
+        self.has_extensions = any(e is not None for e in extensions)
+        return extensions
+
+    def _set_extension_module(self, owner: nn.Module, index: int) -> None:
+        extension = self.extensions[index]
+        if extension is not None and extension.module is None:
+            extension.module = owner  # the first module holding it, as in FSDP2
 
     def bind(self, owner: nn.Module, name: str, index: int) -> None:
         """Records that ``owner.<name>`` is parameter ``index`` of this group."""
         self.bindings.append((owner, name, index))
+        self._set_extension_module(owner, index)
 
     def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None) -> None:
         """Sets whether this is the root group and what its backward prefetches."""
@@ -160,13 +185,35 @@ class ParamGroup:
 
     # -- forward -----------------------------------------------------------------
 
-    def start_all_gather(self) -> AllGatherResult:
-        """Eager: issues the all-gather, from the post-forward pieces when kept."""
+    def start_all_gather(self) -> PendingUnshard:
+        """Starts the group's all-gather (eager), from the post-forward piece when one is
+        kept; finish it with :meth:`finish_all_gather`."""
         kept, versions = self.eager.take_post_forward()
         if kept is not None and self.post_forward is not None and versions == self._local_versions():
-            return self.post_forward.regather(kept, tuple(self.infos))
-        locals_ = self._on_device([p._local_tensor for p in self.sharded_params])
-        return foreach_all_gather(locals_, self.infos, self.shard_group, streams=self.streams)
+            return self.post_forward.regather(kept)
+        return self._start_all_gather(
+            [p._local_tensor for p in self.sharded_params], streams=self.streams
+        )
+
+    def _start_all_gather(
+        self, sharded_locals: list[torch.Tensor], streams: comm.DeviceStreams | None
+    ) -> PendingUnshard:
+        sharded_locals = self._on_device(sharded_locals)
+        if not self.has_extensions:
+            result = foreach_all_gather(sharded_locals, self.infos, self.shard_group,
+                                        streams=streams)
+            return PendingUnshard(result, None)
+        hook_inputs = all_gather_inputs(sharded_locals, self.infos, self.extensions)
+        result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, self.shard_group,
+                                    streams=streams)
+        return PendingUnshard(result, hook_inputs)
+
+    def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
+        """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""
+        outputs = foreach_all_gather_copy_out(pending.result)
+        if pending.hook_inputs is None:
+            return outputs
+        return unsharded_from_outputs(outputs, pending.hook_inputs, self.extensions)
 
     def _on_device(self, sharded_locals: list[torch.Tensor]) -> list[torch.Tensor]:
         """CPU offload: the host-to-device copy of the shards before their all-gather."""
@@ -181,13 +228,13 @@ class ParamGroup:
         if self.eager.prefetched is None and self.eager.unsharded_for_backward is None:
             self.eager.prefetch(self.start_all_gather(), self._local_versions())
 
-    def _take_prefetched(self) -> AllGatherResult | None:
+    def _take_prefetched(self) -> PendingUnshard | None:
         """The prefetched all-gather, unless a parameter changed since it was issued."""
-        result, versions = self.eager.take_prefetched()
-        if result is not None and versions != self._local_versions():
-            foreach_all_gather_copy_out(result)  # complete the collective every rank joined
-            result = None
-        return result
+        pending, versions = self.eager.take_prefetched()
+        if pending is not None and versions != self._local_versions():
+            foreach_all_gather_copy_out(pending.result)  # complete the collective every rank joined
+            pending = None
+        return pending
 
     def _local_versions(self) -> list[tuple[int, int]]:
         # In-place ops on the DTensor (optimizer steps, load_state_dict) bump only the
@@ -197,22 +244,19 @@ class ParamGroup:
     def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight."""
         if comm.use_traced_path():
-            result = foreach_all_gather(self._on_device(list(sharded_locals)), self.infos,
-                                        self.shard_group)
-            return foreach_all_gather_copy_out(result)
+            return self.finish_all_gather(self._start_all_gather(list(sharded_locals), None))
         if self.eager.unsharded_for_backward is not None:
             # Kept by a backward with reshard_after_backward=False: like FSDP2, the
             # next forward uses them whatever the flag says now.
             return self.eager.unsharded_for_backward
-        result = self._take_prefetched()
-        if result is None:
-            result = self.start_all_gather()
-        unsharded = foreach_all_gather_copy_out(result)
+        pending = self._take_prefetched()
+        if pending is None:
+            pending = self.start_all_gather()
+        unsharded = self.finish_all_gather(pending)
         if self.post_forward is not None:
             # FSDP2 keeps this piece from the forward's end until the next all-gather;
             # it is taken now, while the all-gather output is alive.
-            self.eager.keep_post_forward(self.post_forward.keep(result),
-                                         self._local_versions())
+            self.eager.keep_post_forward(self.post_forward.keep(pending), self._local_versions())
         return unsharded
 
     # -- backward ----------------------------------------------------------------
@@ -226,10 +270,10 @@ class ParamGroup:
                     "set_unshard_in_backward(False) was called on its module: set it back "
                     "to True (False is only for modules whose backward needs no parameters)"
                 )
-            result = self._take_prefetched()
-            if result is None:
-                result = self.start_all_gather()
-            self.eager.unsharded_for_backward = foreach_all_gather_copy_out(result)
+            pending = self._take_prefetched()
+            if pending is None:
+                pending = self.start_all_gather()
+            self.eager.unsharded_for_backward = self.finish_all_gather(pending)
             if torch._C._current_graph_task_id() != -1:
                 # Also frees them for a group without trainable parameters, whose
                 # backward never reaches reduce_grads.
@@ -242,9 +286,9 @@ class ParamGroup:
 
     def drop_unsharded(self) -> None:
         """Eager: frees a prefetched all-gather and parameters kept after backward."""
-        result, _ = self.eager.take_prefetched()
-        if result is not None:
-            foreach_all_gather_copy_out(result)  # complete the collective every rank joined
+        pending, _ = self.eager.take_prefetched()
+        if pending is not None:
+            foreach_all_gather_copy_out(pending.result)  # complete the collective every rank joined
         self.eager.unsharded_for_backward = None
         self.eager.forward_unsharded = None
         self.eager.take_post_forward()

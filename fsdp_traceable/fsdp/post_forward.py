@@ -9,10 +9,13 @@ the same unsharded parameters.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import AllGatherResult, ShardInfo, comm
+from .all_gather_extensions import AllGatherInputs, PendingUnshard
 
 
 class PostForwardResharding:
@@ -28,21 +31,30 @@ class PostForwardResharding:
         self.group = self.mesh.get_group(1)
         self.rank = self.mesh.get_local_rank(1)
 
-    def keep(self, gathered: AllGatherResult) -> torch.Tensor:
+    def keep(self, gathered: PendingUnshard) -> KeptPiece:
         """This rank's ``1/group_size`` of a completed all-gather's output (a copy, so
-        the full output can be freed)."""
-        output = gathered.pending.tensor
-        return output.chunk(self.group_size)[self.rank].clone()
+        the full output can be freed), with what its copy-out needs."""
+        output = gathered.result.pending.tensor
+        piece = output.chunk(self.group_size)[self.rank].clone()
+        return KeptPiece(piece, gathered.result.infos, gathered.hook_inputs)
 
-    def regather(self, kept: torch.Tensor, infos: tuple[ShardInfo, ...]) -> AllGatherResult:
+    def regather(self, kept: KeptPiece) -> PendingUnshard:
         """Starts the all-gather of the kept pieces that rebuilds the forward's output.
 
         Args:
             kept: what :meth:`keep` returned.
-            infos: the infos of the all-gather ``kept`` came from (for the copy-out).
 
         Returns:
-            An in-flight result for ``foreach_all_gather_copy_out``.
+            An in-flight all-gather for ``ParamGroup.finish_all_gather``.
         """
-        output = kept.new_empty(kept.numel() * self.group_size)
-        return AllGatherResult(comm.all_gather_into(output, kept, self.group), infos, None)
+        output = kept.piece.new_empty(kept.piece.numel() * self.group_size)
+        pending = comm.all_gather_into(output, kept.piece, self.group)
+        return PendingUnshard(AllGatherResult(pending, kept.infos, None), kept.hook_inputs)
+
+
+class KeptPiece(NamedTuple):
+    """A rank's piece of a forward all-gather output, kept until backward."""
+
+    piece: torch.Tensor
+    infos: tuple[ShardInfo, ...]
+    hook_inputs: AllGatherInputs | None

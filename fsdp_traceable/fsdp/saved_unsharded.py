@@ -30,15 +30,21 @@ class _SavedUnshardedView(NamedTuple):
     storage_offset: int
 
 
+def _has_own_storage(tensor: torch.Tensor) -> bool:
+    # A wrapper subclass (an all-gather extension's unsharded parameter) has no storage
+    # of its own to match: autograd saves it as it is.
+    return tensor.numel() > 0 and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
 def register(group: ParamGroup, unsharded: list[torch.Tensor]) -> None:
     for index, tensor in enumerate(unsharded):
-        if tensor.numel() > 0:
+        if _has_own_storage(tensor):
             _live_unsharded[tensor.untyped_storage().data_ptr()] = (group, index, tensor.dtype)
 
 
 def unregister(unsharded: list[torch.Tensor]) -> None:
     for tensor in unsharded:
-        if tensor.numel() > 0:
+        if _has_own_storage(tensor):
             _live_unsharded.pop(tensor.untyped_storage().data_ptr(), None)
 
 

@@ -1,0 +1,117 @@
+"""A float8-style weight subclass with fsdp_pre/post_all_gather hooks under
+``torch.compile(fullgraph=True)`` and compiled autograd: Dynamo inlines the hooks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+import fsdp_traceable
+from fsdp_traceable.testing import count_graph_breaks
+from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from tests.fsdp.float8_weight import Float8MLP, plain, shard_float8_mlp
+
+STEPS = 3
+ALL_GATHER = "_c10d_functional.all_gather_into_tensor"
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step * 2 + rank)
+    return torch.randn(4, 16, generator=generator), torch.randn(4, 5, generator=generator)
+
+
+def _compiled_against_fsdp2_eager(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    base = Float8MLP()
+    theirs = shard_float8_mlp(copy.deepcopy(base), fsdp2_fully_shard)
+    ours = shard_float8_mlp(copy.deepcopy(base), fsdp_traceable.fully_shard)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.1)
+    loss_ours = torch.compile(ours.loss, fullgraph=True)
+    backward_compiler = torch.compile(backend="inductor", fullgraph=True)
+    losses, graph_breaks = [], 0
+
+    def step_ours(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_ours(x, y)
+        with torch._dynamo.compiled_autograd._enable(backward_compiler):
+            loss.backward()
+        return loss
+
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        loss_theirs = theirs.loss(x, y)
+        loss_theirs.backward()
+        opt_theirs.step()
+        opt_theirs.zero_grad()
+        step_losses: list[torch.Tensor] = []
+        breaks = count_graph_breaks(lambda out, a, b: out.append(step_ours(a, b)), step_losses, x, y)
+        graph_breaks += breaks.count
+        opt_ours.step()
+        opt_ours.zero_grad()
+        losses.append((loss_theirs.item(), step_losses[0].item(), breaks.reasons))
+    # The loss after the last update, from the updated parameters of each side.
+    next_losses = (theirs.loss(*_batch(STEPS, rank)).item(),
+                   loss_ours(*_batch(STEPS, rank)).item())
+    return {
+        "losses": losses, "next_losses": next_losses, "graph_breaks": graph_breaks,
+        "params": [(plain(a), plain(b)) for a, b in zip(theirs.parameters(), ours.parameters())],
+    }
+
+
+@pytest.mark.gloo
+def test_compiled_training_within_1e5_of_fsdp2_eager_without_graph_breaks():
+    for run in run_on_local_ranks(_compiled_against_fsdp2_eager, 2):
+        assert run["graph_breaks"] == 0, [reasons for _, _, reasons in run["losses"]]
+        for theirs, ours, _ in run["losses"]:
+            assert abs(theirs - ours) <= 1e-5
+        theirs, ours = run["next_losses"]
+        assert abs(theirs - ours) <= 1e-5
+        for a, b in run["params"]:
+            assert (a - b).abs().max().item() <= 1e-5
+
+
+def _all_gather_inputs(graph_module: torch.fx.GraphModule) -> list[tuple[torch.dtype, int]]:
+    found = []
+    for module in graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                if ALL_GATHER in str(node.target):
+                    value = node.args[0].meta["example_value"]
+                    found.append((value.dtype, value.numel()))
+    return found
+
+
+def test_compiled_all_gather_carries_float8_weights_as_bytes(fake_world):
+    model = shard_float8_mlp(Float8MLP(), fsdp_traceable.fully_shard)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph_module: torch.fx.GraphModule, example_inputs) -> object:
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.compile(model.loss, backend=capture, fullgraph=True)(*_batch(0, 0))
+    (graph,) = graphs
+    # Per rank: 7x16 float8 + 7 fp32 bias, 5x13 float8 + 5 fp32 bias (bytes); 3x9 + 3 fp32.
+    assert _all_gather_inputs(graph) == [
+        (torch.uint8, 7 * 16 + 7 * 4), (torch.uint8, 5 * 13 + 5 * 4), (torch.float32, 3 * 9 + 3),
+    ]
+
+
+def test_hooks_are_inlined_not_graph_ops(fake_world):
+    model = shard_float8_mlp(Float8MLP(), fsdp_traceable.fully_shard)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph_module: torch.fx.GraphModule, example_inputs) -> object:
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.compile(model.loss, backend=capture, fullgraph=True)(*_batch(0, 0))
+    targets = {
+        str(node.target) for module in graphs[0].modules()
+        if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes
+    }
+    assert not any("fsdp_pre_all_gather" in t or "fsdp_post_all_gather" in t for t in targets)
+    assert any("all_reduce" in t for t in targets)  # the pre hook's max-abs all-reduce

@@ -1,0 +1,267 @@
+"""FSDP2's all-gather extension: a local tensor subclass that all-gathers itself.
+
+A sharded parameter whose local tensor defines ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather`` (torchao's float8 weights) is all-gathered through them, with
+FSDP2's contract (torch 2.13, ``_fsdp_param.py``):
+
+* ``fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)``
+  (or the older ``fsdp_pre_all_gather(mesh)``) returns ``(all_gather_inputs, metadata)``:
+  one or more tensors per parameter, of any dtypes, each all-gathered along dim 0
+  (the bucket travels as ``uint8`` when the dtypes differ); an unevenly sharded
+  parameter must return inputs of the padded sharded size.
+* ``fsdp_post_all_gather(outputs, metadata, param_dtype)`` receives each gathered input
+  as ``gathered.view(-1, *input_size[1:])`` and returns ``(unsharded, inner_tensors)``.
+
+The hooks are detected once, when the group is built; every all-gather then only calls
+them. The post hook is always called without ``out=``: here every all-gather returns
+fresh tensors, so there is no earlier unsharded parameter to refill.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..collectives import AllGatherResult, ShardInfo
+
+_PRE_HOOK_SIGNATURE = (
+    "fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
+    "outer_stride: tuple[int, ...], module: nn.Module, mp_policy: MixedPrecisionPolicy)"
+)
+
+
+@dataclass
+class AllGatherExtension:
+    """How one parameter's local tensor subclass is all-gathered through its hooks.
+
+    Built once per parameter by :func:`detect_extension`; ``module`` is set when the
+    parameter is bound to the module that holds it (FSDP2 passes that module).
+    """
+
+    fqn: str
+    info: ShardInfo
+    # The hooks as functions of the subclass, called with the local tensor first: Dynamo
+    # inlines such a call, where a method call on a tensor would become a graph op.
+    pre_hook: Callable[..., tuple[Sequence[torch.Tensor], object]]
+    post_hook: Callable[..., tuple[torch.Tensor, object]]
+    pre_takes_mesh_only: bool
+    shard_mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    module: nn.Module | None = None
+
+    def pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """Calls the pre hook on ``local``; returns its all-gather inputs and metadata."""
+        if self.pre_takes_mesh_only:
+            inputs, metadata = self.pre_hook(local, self.shard_mesh)
+        else:
+            inputs, metadata = self.pre_hook(
+                local, self.shard_mesh, self.info.global_size,
+                make_contiguous_strides_for(self.info.global_size), self.module,
+                self.mp_policy,
+            )
+        inputs = list(inputs)
+        padded = self.info.padded_sharded_size
+        if local.size() != padded and any(t.size() != padded for t in inputs):
+            raise ValueError(
+                f"parameter {self.fqn!r} of size {tuple(self.info.global_size)} is unevenly "
+                f"sharded over {self.info.world_size} ranks, so its fsdp_pre_all_gather must "
+                f"return all-gather inputs of the padded sharded size {tuple(padded)}, got "
+                f"{[tuple(t.size()) for t in inputs]}: pad dim 0 in the hook"
+            )
+        return inputs, metadata
+
+    def post_all_gather(
+        self, local: torch.Tensor, outputs: Sequence[torch.Tensor], metadata: object
+    ) -> torch.Tensor:
+        """Calls the post hook; returns the unsharded parameter at its original size."""
+        unsharded, _ = self.post_hook(local, tuple(outputs), metadata, self.info.param_dtype)
+        size = self.info.global_size
+        stride = make_contiguous_strides_for(size)
+        if unsharded.size() != size or unsharded.stride() != tuple(stride):
+            unsharded = torch.as_strided(unsharded, size, stride, storage_offset=0)
+        return unsharded
+
+    def input_info(self, input_size: torch.Size, dtype: torch.dtype) -> ShardInfo:
+        """The all-gather layout of one pre-hook input: gathered along dim 0, or for a
+        ``Shard(d > 0)`` parameter, as FSDP2 does, laid out as the padded shard and
+        concatenated along ``d``."""
+        info = self.info
+        if info.shard_dim == 0:
+            sharded = torch.Size(input_size) if len(input_size) else torch.Size([1])
+            global_size = torch.Size([info.world_size * sharded[0], *sharded[1:]])
+        else:
+            sharded = info.padded_sharded_size
+            if sharded.numel() != torch.Size(input_size).numel():
+                raise ValueError(
+                    f"parameter {self.fqn!r} is sharded on dim {info.shard_dim}, so each "
+                    f"input fsdp_pre_all_gather returns must have the padded sharded "
+                    f"numel {sharded.numel()} ({tuple(sharded)}), got {tuple(input_size)}"
+                )
+            global_size = list(sharded)
+            global_size[info.shard_dim] *= info.world_size
+            global_size = torch.Size(global_size)
+        return ShardInfo(
+            global_size=global_size, shard_dim=info.shard_dim, world_size=info.world_size,
+            rank=info.rank, sharded_size=sharded, padded_sharded_size=sharded,
+            contiguous_sharded_stride=tuple(make_contiguous_strides_for(sharded)),
+            param_dtype=dtype, reduce_dtype=dtype, orig_dtype=dtype,
+        )
+
+
+def detect_extension(
+    fqn: str,
+    local: torch.Tensor,
+    info: ShardInfo,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+) -> AllGatherExtension | None:
+    """The parameter's :class:`AllGatherExtension`, or ``None`` for a plain tensor.
+
+    Args:
+        fqn: the parameter's name, for errors.
+        local: the sharded parameter's local tensor.
+        info: its :class:`ShardInfo`.
+        mesh: the ``fully_shard`` mesh (the hooks get its shard dim).
+        mp_policy: the group's mixed-precision policy (passed to the pre hook).
+
+    Returns:
+        The extension record, or ``None`` when ``local`` has neither hook.
+
+    Raises:
+        TypeError: only one hook is defined, or the pre hook takes neither 1 nor 5
+            arguments.
+        ValueError: a 2-D mesh without dim names (the hooks get the shard sub-mesh).
+    """
+    has_pre = hasattr(local, "fsdp_pre_all_gather")
+    has_post = hasattr(local, "fsdp_post_all_gather")
+    if not has_pre and not has_post:
+        return None
+    if has_pre != has_post:
+        missing = "fsdp_post_all_gather" if has_pre else "fsdp_pre_all_gather"
+        raise TypeError(
+            f"parameter {fqn!r}: its local tensor {type(local).__name__} defines only one "
+            f"of fsdp_pre_all_gather / fsdp_post_all_gather: define {missing} too, or neither"
+        )
+    num_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+    if num_args not in (1, 5):
+        raise TypeError(
+            f"parameter {fqn!r}: {type(local).__name__}.fsdp_pre_all_gather takes "
+            f"{num_args} arguments; FSDP calls {_PRE_HOOK_SIGNATURE} (or the older "
+            "fsdp_pre_all_gather(self, mesh))"
+        )
+    if mesh.ndim == 1:
+        shard_mesh = mesh
+    elif mesh.mesh_dim_names is not None:
+        shard_mesh = mesh[mesh.mesh_dim_names[-1]]
+    else:
+        raise ValueError(
+            f"parameter {fqn!r} all-gathers through fsdp_pre_all_gather, which receives "
+            "the shard mesh: give the 2-D mesh dim names (init_device_mesh(..., "
+            "mesh_dim_names=('replicate', 'shard')))"
+        )
+    subclass = type(local)
+    return AllGatherExtension(
+        fqn, info, subclass.fsdp_pre_all_gather, subclass.fsdp_post_all_gather, num_args == 1,
+        shard_mesh, mp_policy,
+    )
+
+
+class AllGatherInputs(NamedTuple):
+    """A group's all-gather inputs: one or several per parameter, with their layouts."""
+
+    tensors: list[torch.Tensor]
+    infos: list[ShardInfo]
+    # Each input's size as its pre hook returned it (the post hook's views use it).
+    input_sizes: list[torch.Size]
+    # Per parameter: how many of ``tensors`` it contributed, the pre hook's metadata
+    # (None for a plain parameter), and the local tensor whose post hook rebuilds it.
+    counts: list[int]
+    metadata: list[object]
+    locals: list[torch.Tensor]
+
+
+@torch.no_grad()
+def all_gather_inputs(
+    sharded_locals: Sequence[torch.Tensor],
+    infos: Sequence[ShardInfo],
+    extensions: Sequence[AllGatherExtension | None],
+) -> AllGatherInputs:
+    """Runs the pre hooks: the tensors to all-gather for a group with extensions.
+
+    Args:
+        sharded_locals: the parameters' local shards.
+        infos: their :class:`ShardInfo` s.
+        extensions: per parameter, its extension or ``None``.
+
+    Returns:
+        The inputs, with one :class:`ShardInfo` each, and what the post hooks need.
+    """
+    tensors: list[torch.Tensor] = []
+    input_infos: list[ShardInfo] = []
+    input_sizes: list[torch.Size] = []
+    counts: list[int] = []
+    metadata: list[object] = []
+    for local, info, extension in zip(sharded_locals, infos, extensions):
+        if extension is None:
+            tensors.append(local)
+            input_infos.append(info)
+            input_sizes.append(local.size())
+            counts.append(1)
+            metadata.append(None)
+            continue
+        inputs, meta = extension.pre_all_gather(local)
+        for tensor in inputs:
+            input_info = extension.input_info(tensor.size(), tensor.dtype)
+            tensors.append(tensor.reshape(input_info.sharded_size))
+            input_infos.append(input_info)
+            input_sizes.append(tensor.size())
+        counts.append(len(inputs))
+        metadata.append(meta)
+    return AllGatherInputs(tensors, input_infos, input_sizes, counts, metadata, list(sharded_locals))
+
+
+@torch.no_grad()
+def unsharded_from_outputs(
+    outputs: Sequence[torch.Tensor],
+    gathered: AllGatherInputs,
+    extensions: Sequence[AllGatherExtension | None],
+) -> list[torch.Tensor]:
+    """Runs the post hooks: one unsharded parameter per parameter of the group.
+
+    Args:
+        outputs: the copy-out's tensors, one per all-gather input.
+        gathered: what :func:`all_gather_inputs` returned for this all-gather.
+        extensions: per parameter, its extension or ``None``.
+
+    Returns:
+        The unsharded parameters, plain ones as the copy-out gave them.
+    """
+    unsharded: list[torch.Tensor] = []
+    start = 0
+    for count, meta, local, extension in zip(
+        gathered.counts, gathered.metadata, gathered.locals, extensions
+    ):
+        pieces = outputs[start : start + count]
+        if extension is None:
+            unsharded.append(pieces[0])
+        else:
+            sizes = gathered.input_sizes[start : start + count]
+            hook_outputs = [piece.view(-1, *size[1:]) for piece, size in zip(pieces, sizes)]
+            unsharded.append(extension.post_all_gather(local, hook_outputs, meta))
+        start += count
+    return unsharded
+
+
+class PendingUnshard(NamedTuple):
+    """A group's all-gather in flight, and, with extensions, what its post hooks need."""
+
+    result: AllGatherResult
+    hook_inputs: AllGatherInputs | None
