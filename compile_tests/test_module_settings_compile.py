@@ -67,3 +67,16 @@ def test_all_reduce_hook_is_traced_into_the_backward(fake_world: None) -> None:
     muls = [n for n in graph.graph.nodes
             if n.op == "call_function" and 0.25 in n.args and "mul" in str(n.target)]
     assert len(muls) == 1
+
+
+@pytest.mark.parametrize("which", ["all_gather", "reduce_scatter"])
+def test_custom_comms_raise_under_compile(fake_world: None, which: str) -> None:
+    from tests.fsdp.settings_cases import CountingAllGather, CountingReduceScatter
+
+    step = Step(make_model(), compiled_autograd=True)
+    comm = CountingAllGather() if which == "all_gather" else CountingReduceScatter()
+    for module in _modules(step.model):
+        getattr(module, f"set_custom_{which}")(comm)
+    with pytest.raises(Exception, match=rf"a custom {which.replace('_', '-')} "
+                                        rf"\(set_custom_{which}\) runs eagerly only"):
+        step.microbatch()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from ..sizes import flatten_sizes
 from . import comm, copy_backends
 from .shard_info import SUPPORTED_DTYPES, ShardInfo
 from .validation import check_bucket, check_bucket_bytes
+
+if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 __all__ = ["AllGatherResult", "foreach_all_gather", "foreach_all_gather_copy_out"]
 
@@ -48,6 +51,7 @@ def foreach_all_gather(
     group: dist.ProcessGroup,
     *,
     streams: comm.DeviceStreams | None = None,
+    all_gather_comm: AllGather | None = None,
 ) -> AllGatherResult:
     """Copies this rank's shards into one buffer and starts one all-gather of it.
 
@@ -57,6 +61,8 @@ def foreach_all_gather(
         infos: one :class:`ShardInfo` per shard.
         group: the shard process group.
         streams: eager-only copy-in stream holder for devices with streams.
+        all_gather_comm: eager-only FSDP2 ``AllGather``: allocates the output buffer
+            and runs the collective (default: ``torch.empty`` and c10d).
 
     Returns:
         The in-flight :class:`AllGatherResult`; compute may run before copy-out.
@@ -71,6 +77,11 @@ def foreach_all_gather(
         # The byte path reinterprets each shard as it is: cast to its param_dtype first.
         inputs = [t.to(i.param_dtype) for t, i in zip(inputs, infos)]
     if traced:
+        if all_gather_comm is not None:
+            raise NotImplementedError(
+                "a custom all-gather (set_custom_all_gather) runs eagerly only: a compiled "
+                "graph all-gathers with functional collectives; unset it before compiling"
+            )
         flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
         return AllGatherResult(comm.all_gather(flat_input, group), tuple(infos), None)
     # Eager: copy straight into this rank's slice of the output, as FSDP2 does, so an
@@ -80,12 +91,13 @@ def foreach_all_gather(
         for n, t in zip(padded_numels, inputs)
     )
     with streams.copy_in_context() if streams is not None else contextlib.nullcontext():
-        output = torch.empty(
-            input_numel * infos[0].world_size, dtype=dtype, device=inputs[0].device
+        allocate = torch.empty if all_gather_comm is None else all_gather_comm.allocate
+        output = allocate(
+            (input_numel * infos[0].world_size,), dtype=dtype, device=inputs[0].device
         )
         flat_input = output.narrow(0, input_numel * infos[0].rank, input_numel)
         copy_backends.all_gather_copy_in_into(inputs, padded_numels, flat_input)
-        pending = comm.all_gather_into(output, flat_input, group)
+        pending = comm.all_gather_into(output, flat_input, group, all_gather_comm)
     return AllGatherResult(pending, tuple(infos), streams)
 
 

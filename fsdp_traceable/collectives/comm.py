@@ -9,13 +9,17 @@ same input, so their results are bitwise identical.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .. import config
+
+if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..tracing import is_tracing
 
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
@@ -76,20 +80,44 @@ def all_gather(flat_input: torch.Tensor, group: dist.ProcessGroup) -> PendingTen
 
 
 def all_gather_into(
-    output: torch.Tensor, flat_input: torch.Tensor, group: dist.ProcessGroup
+    output: torch.Tensor,
+    flat_input: torch.Tensor,
+    group: dist.ProcessGroup,
+    custom: Callable[..., dist.Work | None] | None = None,
 ) -> PendingTensor:
-    """Eager: starts an async c10d all-gather of ``flat_input`` into ``output``
-    (``flat_input`` may be this rank's slice of ``output``, FSDP2's in-place layout)."""
+    """Eager: starts an async all-gather of ``flat_input`` into ``output`` (``flat_input``
+    may be this rank's slice of ``output``, FSDP2's in-place layout), with c10d or a
+    custom FSDP2 ``AllGather``."""
+    if custom is not None:
+        return PendingTensor(output, custom(output, flat_input, group, async_op=True))
     work = getattr(dist, ALL_GATHER_C10D)(output, flat_input, group=group, async_op=True)
     return PendingTensor(output, work)
 
 
 def start_reduce_scatter(
-    flat_input: torch.Tensor, op: str, group: dist.ProcessGroup
+    flat_input: torch.Tensor,
+    op: str,
+    group: dist.ProcessGroup,
+    custom: ReduceScatter | None = None,
 ) -> PendingTensor:
     """Starts a reduce-scatter of ``flat_input`` with ``op`` (``"sum"`` or ``"avg"``);
     :func:`wait` returns its output (eager: an async c10d call, whose work keeps
-    ``flat_input`` alive until it completes)."""
+    ``flat_input`` alive until it completes; or a custom FSDP2 ``ReduceScatter``, whose
+    ``allocate`` makes the input and output buffers)."""
+    if custom is not None:
+        if use_traced_path():
+            raise NotImplementedError(
+                "a custom reduce-scatter (set_custom_reduce_scatter) runs eagerly only: a "
+                "compiled backward reduces with functional collectives; unset it before "
+                "compiling"
+            )
+        numel = flat_input.numel()
+        comm_input = custom.allocate((numel,), dtype=flat_input.dtype, device=flat_input.device)
+        comm_input.copy_(flat_input)
+        output = custom.allocate((numel // group.size(),), dtype=flat_input.dtype,
+                                 device=flat_input.device)
+        work = custom(output, comm_input, group, _C10D_OPS[op], async_op=True)
+        return PendingTensor(output, work)
     if use_traced_path():
         # The raw op; the wait is in :func:`wait` (funcol's wrappers wait while tracing).
         output = torch.ops._c10d_functional.reduce_scatter_tensor(

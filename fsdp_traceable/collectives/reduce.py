@@ -8,7 +8,7 @@ with FSDP2's divide factors (see :mod:`~fsdp_traceable.collectives.divide_factor
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from .validation import (
     check_uniform,
     normalize_reduce_op,
 )
+
+if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 __all__ = [
     "PendingReduce",
@@ -90,6 +93,7 @@ def start_foreach_reduce(
     partial_reduce_output: torch.Tensor | None = None,
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
     accumulate_into: Sequence[torch.Tensor] | None = None,
+    reduce_scatter_comm: ReduceScatter | None = None,
 ) -> PendingReduce:
     """Copies a bucket of unsharded gradients in and starts its reduce-scatter.
 
@@ -114,6 +118,9 @@ def start_foreach_reduce(
         accumulate_into: sharded parameters whose ``.grad`` receives the result
             (assigned or added in place, as FSDP2 does), running their
             post-accumulate-grad hooks.
+        reduce_scatter_comm: eager-only FSDP2 ``ReduceScatter``: allocates the
+            reduce-scatter's input (the copy-in is copied into it) and output, and
+            runs the collective.
 
     Returns:
         The :class:`PendingReduce` (in eager mode an async c10d reduce-scatter, so
@@ -151,7 +158,7 @@ def start_foreach_reduce(
     )
     if world_size > 1:
         reduce_output = comm.start_reduce_scatter(reduce_input, schedule.reduce_scatter_op,
-                                                  reduce_scatter_group)
+                                                  reduce_scatter_group, reduce_scatter_comm)
     else:
         reduce_output = comm.PendingTensor(reduce_input, None)
     return PendingReduce(

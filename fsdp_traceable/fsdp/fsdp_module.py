@@ -132,6 +132,8 @@ class FSDPModule(TorchFSDPModule):
     set_modules_to_backward_prefetch = module_settings.set_modules_to_backward_prefetch
     set_unshard_in_backward = module_settings.set_unshard_in_backward
     set_post_optim_event = module_settings.set_post_optim_event
+    set_custom_all_gather = module_settings.set_custom_all_gather
+    set_custom_reduce_scatter = module_settings.set_custom_reduce_scatter
 
     def _get_fsdp_state(self) -> ForwardHooks:
         """What torch's ``register_fsdp_forward_method`` wrapper calls around a method."""

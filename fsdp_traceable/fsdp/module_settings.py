@@ -15,6 +15,8 @@ import torch.nn as nn
 from typing_extensions import deprecated
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
     from .fsdp_module import FSDPModule
     from .param_group import ParamGroup
 
@@ -203,3 +205,37 @@ def set_post_optim_event(self: FSDPModule, event: torch.Event) -> None:
     """
     for group in groups_of(self, recurse=True):
         group.streams.post_optim_event = event
+
+
+def set_custom_all_gather(self: FSDPModule, comm: AllGather) -> None:
+    """Eager: this module's all-gathers allocate their output with ``comm.allocate``
+    and run ``comm(output, input, group, async_op=True)`` (FSDP2's ``AllGather``).
+
+    A compiled graph all-gathers with functional collectives: it raises while set.
+
+    Args:
+        comm: an FSDP2 ``AllGather`` (``allocate`` and ``__call__``).
+    """
+    self._fsdp_group.all_gather_comm = _check_comm(comm, "comm")
+
+
+def set_custom_reduce_scatter(self: FSDPModule, comm: ReduceScatter) -> None:
+    """Eager: this module's reduce-scatters allocate their input and output with
+    ``comm.allocate`` and run ``comm(output, input, group, op, async_op=True)``
+    (FSDP2's ``ReduceScatter``); the copy-in's result is copied into the input.
+
+    A compiled backward reduces with functional collectives: it raises while set.
+
+    Args:
+        comm: an FSDP2 ``ReduceScatter`` (``allocate`` and ``__call__``).
+    """
+    self._fsdp_group.reduce_scatter_comm = _check_comm(comm, "comm")
+
+
+def _check_comm(comm: Any, name: str) -> Any:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{name} must implement FSDP2's comm interface (allocate() and __call__), got "
+            f"{type(comm).__name__}"
+        )
+    return comm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,9 @@ from .arguments import shard_placement
 from .eager_state import EagerState
 from . import reduce_queue
 from .post_forward import PostForwardResharding
+
+if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 
 class ParamGroup:
@@ -85,6 +89,8 @@ class ParamGroup:
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: torch.Stream | None = None
         self.unshard_in_backward = True
+        self.all_gather_comm: AllGather | None = None
+        self.reduce_scatter_comm: ReduceScatter | None = None
         self.explicit_forward_prefetch = False
         self.explicit_backward_prefetch = False
         # The root group (set by link_groups) reshards after forward only when told to.
@@ -190,7 +196,7 @@ class ParamGroup:
         kept; finish it with :meth:`finish_all_gather`."""
         kept, versions = self.eager.take_post_forward()
         if kept is not None and self.post_forward is not None and versions == self._local_versions():
-            return self.post_forward.regather(kept)
+            return self.post_forward.regather(kept, self.all_gather_comm)
         return self._start_all_gather(
             [p._local_tensor for p in self.sharded_params], streams=self.streams
         )
@@ -201,11 +207,11 @@ class ParamGroup:
         sharded_locals = self._on_device(sharded_locals)
         if not self.has_extensions:
             result = foreach_all_gather(sharded_locals, self.infos, self.shard_group,
-                                        streams=streams)
+                                        streams=streams, all_gather_comm=self.all_gather_comm)
             return PendingUnshard(result, None)
         hook_inputs = all_gather_inputs(sharded_locals, self.infos, self.extensions)
         result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, self.shard_group,
-                                    streams=streams)
+                                    streams=streams, all_gather_comm=self.all_gather_comm)
         return PendingUnshard(result, hook_inputs)
 
     def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
@@ -377,6 +383,7 @@ class ParamGroup:
             all_reduce_grads=not skip_all_reduce,
             partial_reduce_output=self.eager.take_partial_reduce_output(),
             all_reduce_hook=self._all_reduce_hook(),
+            reduce_scatter_comm=self.reduce_scatter_comm,
         )
         if not comm.use_traced_path():
             # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next

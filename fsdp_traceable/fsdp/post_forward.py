@@ -9,13 +9,16 @@ the same unsharded parameters.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import AllGatherResult, ShardInfo, comm
 from .all_gather_extensions import AllGatherInputs, PendingUnshard
+
+if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 
 class PostForwardResharding:
@@ -38,17 +41,21 @@ class PostForwardResharding:
         piece = output.chunk(self.group_size)[self.rank].clone()
         return KeptPiece(piece, gathered.result.infos, gathered.hook_inputs)
 
-    def regather(self, kept: KeptPiece) -> PendingUnshard:
+    def regather(self, kept: KeptPiece, all_gather_comm: AllGather | None) -> PendingUnshard:
         """Starts the all-gather of the kept pieces that rebuilds the forward's output.
 
         Args:
             kept: what :meth:`keep` returned.
+            all_gather_comm: the group's custom FSDP2 ``AllGather``, if set.
 
         Returns:
             An in-flight all-gather for ``ParamGroup.finish_all_gather``.
         """
-        output = kept.piece.new_empty(kept.piece.numel() * self.group_size)
-        pending = comm.all_gather_into(output, kept.piece, self.group)
+        piece = kept.piece
+        allocate = torch.empty if all_gather_comm is None else all_gather_comm.allocate
+        output = allocate((piece.numel() * self.group_size,), dtype=piece.dtype,
+                          device=piece.device)
+        pending = comm.all_gather_into(output, piece, self.group, all_gather_comm)
         return PendingUnshard(AllGatherResult(pending, kept.infos, None), kept.hook_inputs)
 
 

@@ -16,6 +16,8 @@ from ..collectives import ReduceResult
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
 
 _in_flight: list[tuple[PendingReduce, Callable[[ReduceResult], None]]] = []
+# The backward pass whose end finishes _in_flight (autograd's graph task id).
+_flushing_task = [-1]
 
 
 def put(pending: PendingReduce, on_finished: Callable[[ReduceResult], None]) -> None:
@@ -25,8 +27,13 @@ def put(pending: PendingReduce, on_finished: Callable[[ReduceResult], None]) -> 
         pending: the started reduction.
         on_finished: called with its result once it is finished.
     """
-    if not _in_flight:
+    task = torch._C._current_graph_task_id()
+    if task != _flushing_task[0]:
+        # A new backward pass. Reductions left by one that raised before its end are
+        # finished first: every rank started them.
+        finish_all()
         torch.autograd.Variable._execution_engine.queue_callback(finish_all)
+        _flushing_task[0] = task
     _in_flight.append((pending, on_finished))
     while len(_in_flight) > 1:
         _finish_oldest()

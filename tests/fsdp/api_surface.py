@@ -52,6 +52,10 @@ DIFFERENCES = {
     "set_post_optim_event": "eager: the next copy-in of every group below waits on the event; a "
                             "compiled graph's all-gathers already follow the optimizer on "
                             "the current stream",
+    "set_custom_all_gather": "eager; raises under `torch.compile` (functional collectives "
+                             "there)",
+    "set_custom_reduce_scatter": "eager; raises under a compiled backward; our copy-in is "
+                                 "copied into the input buffer `allocate` returns",
     "set_unshard_in_backward": "our backward all-gathers only what it reads; `False` on a "
                                "module whose backward reads its parameters raises",
     "set_requires_gradient_sync": "`False` raises under a compiled backward (run no-sync "

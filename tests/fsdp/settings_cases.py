@@ -203,3 +203,48 @@ def unshard_in_backward_off(rank: int, world_size: int) -> dict[str, Any]:
     except RuntimeError as err:
         result["block_error"] = str(err)
     return result
+
+
+class CountingAllGather:
+    """FSDP2's ``AllGather`` interface over c10d, counting its calls and allocations."""
+
+    def __init__(self) -> None:
+        self.calls = self.allocations = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocations += 1
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class CountingReduceScatter(CountingAllGather):
+    """FSDP2's ``ReduceScatter`` interface over c10d, counting its calls and allocations."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def custom_comms(rank: int, world_size: int) -> dict[str, Any]:
+    """``set_custom_all_gather`` / ``set_custom_reduce_scatter`` on every module: the same
+    numbers as FSDP2 with the same comms, and every collective goes through them."""
+    theirs, ours = shard_copies(seeded_transformer())
+    result = {}
+    for name, model in (("theirs", theirs), ("ours", ours)):
+        all_gather, reduce_scatter = CountingAllGather(), CountingReduceScatter()
+        for module in fsdp_modules(model):
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+        with count_calls(dist, "all_gather_into_tensor") as gathers:
+            result[name] = train(model, rank, world_size)
+        result[name]["counts"] = {
+            "all_gather_calls": all_gather.calls, "c10d_all_gathers": gathers[0],
+            "reduce_scatter_calls": reduce_scatter.calls,
+            "reduce_scatter_allocations": reduce_scatter.allocations,
+        }
+    return result

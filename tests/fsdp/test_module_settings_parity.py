@@ -21,6 +21,7 @@ TWO_RANK_CASES = [
     ("all_reduce_hook", settings_cases.all_reduce_hook, (False,)),
     ("explicit_prefetch", settings_cases.explicit_prefetch, ()),
     ("unshard_in_backward", settings_cases.unshard_in_backward_off, ()),
+    ("custom_comms", settings_cases.custom_comms, ()),
 ]
 FOUR_RANK_CASES = [
     ("hsdp_skip_all_reduce", settings_cases.hsdp_all_reduce_every_other, ()),
@@ -55,7 +56,7 @@ def _assert_same_training(result: dict[str, Any]) -> None:
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", ["divide_shard_size", "divide_custom_sum", "force_sum",
                                   "unused_reduced", "all_reduce_hook", "explicit_prefetch",
-                                  "unshard_in_backward"])
+                                  "unshard_in_backward", "custom_comms"])
 def test_two_ranks_train_like_fsdp2(two_ranks, name: str) -> None:
     for result in _case(two_ranks, name):
         _assert_same_training(result)
@@ -76,6 +77,14 @@ def test_settings_have_their_effect(two_ranks) -> None:
     for result in _case(two_ranks, "unshard_in_backward"):
         assert result["ours"]["all_gathers"] == result["theirs"]["all_gathers"]
         assert "set_unshard_in_backward(False)" in result["block_error"]
+    for result in _case(two_ranks, "custom_comms"):
+        counts = result["ours"]["counts"]
+        # every all-gather of ours went through the custom comm (and FSDP2's too)
+        assert counts["all_gather_calls"] == counts["c10d_all_gathers"] > 0
+        assert result["theirs"]["counts"]["all_gather_calls"] > 0
+        # FSDP2 allocates input and output per reduce-scatter, as ours does
+        assert counts["reduce_scatter_calls"] == result["theirs"]["counts"]["reduce_scatter_calls"]
+        assert counts["reduce_scatter_allocations"] == 2 * counts["reduce_scatter_calls"]
     for result in _case(two_ranks, "deprecated_divide"):
         assert result["warnings"]["ours"] == result["warnings"]["theirs"] == ["DeprecationWarning"]
         assert result["factor"] == 2.0
