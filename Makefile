@@ -26,10 +26,13 @@ demo: $(STAMP)
 demo-collectives: $(STAMP)
 	$(PY) -m fsdp_traceable demo
 
-# One run of every training mode next to torch FSDP2 (writes benchmarks/results/bench.*).
+# Every training mode next to torch FSDP2 on two workloads (writes benchmarks/results/bench.*
+# and benchmarks/results/narrow_wide_vocab/bench.*).
 bench: $(STAMP)
 	$(PIP) install -q -e '.[bench]'
 	$(PY) -m fsdp_traceable bench --dim 256 --layers 4 --batch-size 8 --seq-len 64
+	$(PY) -m fsdp_traceable bench --dim 128 --layers 8 --vocab-size 4096 --batch-size 8 \
+		--seq-len 64 --optimizer sgd --lr 0.05 --out benchmarks/results/narrow_wide_vocab
 
 # pytest exits 5 when it collects no test; an empty suite is not a failure here.
 test: $(STAMP)

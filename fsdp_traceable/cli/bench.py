@@ -1,6 +1,7 @@
 """``python -m fsdp_traceable bench``: one workload under torch FSDP2 and fsdp_traceable.
 
-Every mode runs the same model, data and optimizer in the same run on the same ranks:
+Every mode runs the same model, data and optimizer in the same run on the same ranks,
+timed step by step in turn:
 torch FSDP2 eager, FSDP2 with per-block ``torch.compile``, fsdp_traceable eager,
 whole-model compile, and compile + compiled autograd; plus compute-only (unsharded,
 no communication) and communication-only (the same collectives, no compute), whose
@@ -30,7 +31,7 @@ from ..fsdp import fully_shard as ours_fully_shard
 from ..models.transformer import Transformer, shard_transformer
 from .launch import resolve_device, run_on_ranks
 from .memory import peak_allocated_bytes
-from .train import TrainArgs, batch_for, mp_policy_for
+from .train import TrainArgs, batch_for, make_optimizer, mp_policy_for
 
 MODES = (
     "fsdp2-eager", "fsdp2-compile-blocks", "eager", "compile", "compile-ca",
@@ -55,7 +56,7 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
         model.to(torch.bfloat16)
     if mode == "comm-only":
         return _comm_only_step(model, device), model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(args, model.parameters())
     loss_fn = model.loss
     if mode in ("compile", "compile-ca", "compute-only-compiled"):
         loss_fn = torch.compile(model.loss, fullgraph=True)
@@ -99,49 +100,56 @@ def _synchronize(device: str) -> None:
 
 
 def _bench_rank(args: TrainArgs, modes: tuple[str, ...], steps: int, result_path: str) -> None:
+    """Builds and warms every mode, then times them interleaved: step ``k`` of every
+    mode before step ``k + 1`` of any, so slow phases of a shared machine hit all
+    modes alike and the ratios hold."""
     device = resolve_device(args.device)
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     torch.manual_seed(args.seed)
     with torch.device(device):
         base = Transformer(args.config)
+    torch._dynamo.reset()
+    step_fns, first_steps = {}, {}
+    for mode in modes:
+        step_fn, _ = _make_step(mode, base, args, mesh)
+        first_steps[mode] = _timed(step_fn, 0, device)
+        step_fn(1)  # second warm-up: lazy state, allocator, caches
+        step_fns[mode] = step_fn
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for step in range(2, 2 + steps):
+        for mode in modes:
+            times[mode].append(_timed(step_fns[mode], step, device))
     results = {}
     for mode in modes:
-        torch._dynamo.reset()
-        step_fn, _ = _make_step(mode, base, args, mesh)
-        _synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        step_fn(0)
-        _synchronize(device)
-        first_step = time.perf_counter() - start
-        step_fn(1)  # second warm-up: lazy state, allocator, caches
-        times = []
-        for step in range(2, 2 + steps):
-            _synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            step_fn(step)
-            _synchronize(device)
-            times.append(time.perf_counter() - start)
         # Slowest rank decides the step time.
-        median = torch.tensor([statistics.median(times)], device=device)
+        median = torch.tensor([statistics.median(times[mode])], device=device)
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
         # When gloo's threads free a finished collective's buffers varies and only adds
         # to a step's peak: the least disturbed of 3 steps.
-        peak = min(peak_allocated_bytes(lambda: step_fn(3 + steps + i), device)
+        peak = min(peak_allocated_bytes(lambda: step_fns[mode](3 + steps + i), device)
                    for i in range(3))
         results[mode] = {
             "median_step_ms": median.item() * 1e3,
-            "first_step_s": first_step,
+            "first_step_s": first_steps[mode],
             "peak_bytes": peak,
             "steps": steps,
         }
         if dist.get_rank() == 0:
-            print(f"{mode:24s} {median.item() * 1e3:8.1f} ms/step  first {first_step:6.2f} s",
-                  flush=True)
+            print(f"{mode:24s} {median.item() * 1e3:8.1f} ms/step  "
+                  f"first {first_steps[mode]:6.2f} s", flush=True)
     if dist.get_rank() == 0:
         with open(result_path, "w") as f:
             json.dump(results, f)
+
+
+def _timed(step_fn: Callable[[int], None], step: int, device: str) -> float:
+    """Seconds one step takes on this rank, started together on every rank."""
+    _synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    step_fn(step)
+    _synchronize(device)
+    return time.perf_counter() - start
 
 
 def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] = MODES) -> dict:

@@ -43,6 +43,7 @@ class TrainArgs:
     lr: float = 3e-3
     seed: int = 0
     device: str = "auto"
+    optimizer: str = "adamw"
 
     @property
     def config(self) -> TransformerConfig:
@@ -63,9 +64,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("dim", "layers", "heads", "vocab_size", "seq_len", "batch_size", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
                         help="auto: cuda under torchrun on a GPU machine, else cpu; cuda "
                              "without torchrun spawns one NCCL rank per GPU")
+
+
+def make_optimizer(args: TrainArgs, params) -> torch.optim.Optimizer:
+    """``--optimizer``: AdamW (default) or plain SGD, at ``--lr``."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr)
+    return torch.optim.AdamW(params, lr=args.lr)
 
 
 def train_args_from(namespace: argparse.Namespace) -> TrainArgs:
@@ -110,7 +119,7 @@ def reference_losses(args: TrainArgs, world_size: int) -> list[float]:
     """The same steps on one unsharded fp32 model fed every rank's batch."""
     torch.manual_seed(args.seed)
     model = Transformer(args.config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(args, model.parameters())
     losses = []
     for step in range(args.steps):
         loss = torch.stack([
@@ -127,7 +136,7 @@ def _train_rank(args: TrainArgs, result_path: str) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = resolve_device(args.device)
     model = build_model(args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(args, model.parameters())
     forward_counter = CompileCounterWithBackend("inductor")
     backward_counter = CompileCounterWithBackend("inductor")
     loss_fn = model.loss
