@@ -51,5 +51,5 @@ def _fail_collective(*args: object, **kwargs: object) -> None:
 @pytest.fixture
 def no_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every collective primitive raises: bad input must be rejected before one starts."""
-    for name in ("all_gather", "all_gather_into", "reduce_scatter", "all_reduce", "wait"):
+    for name in ("all_gather", "all_gather_into", "start_reduce_scatter", "all_reduce", "wait"):
         monkeypatch.setattr(comm, name, _fail_collective)

@@ -232,23 +232,23 @@ def _simulated_foreach_reduce(world_size: int, monkeypatch: pytest.MonkeyPatch) 
              for r in range(world_size)]
     inputs: list[torch.Tensor] = []
 
-    def capture(flat: torch.Tensor, op: str, group: object) -> torch.Tensor:
+    def capture(flat: torch.Tensor, op: str, group: object, custom=None) -> comm.PendingTensor:
         inputs.append(flat.clone())
-        return flat.new_zeros(flat.numel() // world_size)
+        return comm.PendingTensor(flat.new_zeros(flat.numel() // world_size), None)
 
-    monkeypatch.setattr(comm, "reduce_scatter", capture)
+    monkeypatch.setattr(comm, "start_reduce_scatter", capture)
     for r in range(world_size):
         foreach_reduce(grads[r], infos[r], FakeProcessGroup._create_internal(r, world_size))
     ops = []
 
-    def ring_sum(flat: torch.Tensor, op: str, group: object) -> torch.Tensor:
+    def ring_sum(flat: torch.Tensor, op: str, group: object, custom=None) -> comm.PendingTensor:
         ops.append(op)
         total = inputs[0]
         for other in inputs[1:]:
             total = total + other  # fp16 add, rounded at every step
-        return total.chunk(world_size)[group.rank()].clone()
+        return comm.PendingTensor(total.chunk(world_size)[group.rank()].clone(), None)
 
-    monkeypatch.setattr(comm, "reduce_scatter", ring_sum)
+    monkeypatch.setattr(comm, "start_reduce_scatter", ring_sum)
     outputs = [foreach_reduce(grads[r], infos[r],
                               FakeProcessGroup._create_internal(r, world_size)).sharded_grads
                for r in range(world_size)]
