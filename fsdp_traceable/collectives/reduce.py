@@ -14,6 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+try:  # FSDP2's DTensor construction without from_local's autograd and argument checks
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+except ImportError:
+    _from_local_no_grad = None
+
 from ..sizes import flatten_sizes
 from . import comm, copy_backends
 from .divide_factors import ReduceSchedule, gradient_divide_schedule
@@ -213,10 +218,7 @@ def accumulate_sharded_grad(param: torch.Tensor, sharded_grad: torch.Tensor) -> 
     ``param``'s post-accumulate-grad hooks, as FSDP2's reduce does."""
     if param.grad is None:
         if isinstance(param, DTensor):
-            param.grad = DTensor.from_local(
-                sharded_grad, param.device_mesh, param.placements,
-                shape=param.shape, stride=param.stride(), run_check=False,
-            )
+            param.grad = _sharded_like(param, sharded_grad)
         else:
             param.grad = sharded_grad
     else:
@@ -225,6 +227,21 @@ def accumulate_sharded_grad(param: torch.Tensor, sharded_grad: torch.Tensor) -> 
         local += sharded_grad
     for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
         hook(param)
+
+
+def _sharded_like(param: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` as a DTensor laid out as ``param``; reuses the parameter's spec (FSDP2's
+    cheap construction) when the layouts agree, as they do for every reduced gradient."""
+    spec = param._spec
+    if (
+        _from_local_no_grad is not None
+        and local.dtype == param.dtype
+        and local.shape == param._local_tensor.shape
+        and local.is_contiguous()
+    ):
+        return _from_local_no_grad(local, spec)
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride(), run_check=False)
 
 
 def _nontrivial(factor: float | None) -> float | None:

@@ -28,12 +28,17 @@ class UnshardParams(torch.autograd.Function):
     """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
 
     Inputs are the group's sharded local tensors; outputs the unsharded parameters.
-    Autograd accumulates the returned sharded gradients into the sharded DTensor
-    parameters' ``.grad`` (through ``DTensor.to_local``'s backward).
+    Traced, they come from ``DTensor.to_local`` and autograd accumulates the returned
+    sharded gradients into the parameters' ``.grad`` through its backward. Eager, the
+    reduction writes ``.grad`` itself once its reduce-scatter completes (see
+    ``reduce_queue``), so the plain local tensors go in and ``anchor``, a leaf that
+    requires grad, is what puts this node in the graph.
     """
 
     @staticmethod
-    def forward(ctx, group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx, group: ParamGroup, anchor: torch.Tensor | None, *sharded_locals: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
         unsharded = group.all_gather(sharded_locals)
@@ -44,7 +49,7 @@ class UnshardParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *ctx.group.reduce_grads(unsharded_grads))
+        return (None, None, *ctx.group.reduce_grads(unsharded_grads))
 
 
 def _recompute_all_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -56,7 +61,7 @@ def _recompute_all_gather_context():
 
 
 def _apply_unshard(group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return UnshardParams.apply(group, *sharded_locals)
+    return UnshardParams.apply(group, None, *sharded_locals)
 
 
 def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
@@ -82,8 +87,6 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
     the partitioner saves the sharded inputs and re-runs the all-gather in backward
     instead of saving the unsharded parameters.
     """
-    # Not ``group.sharded_params``: testing that list makes Dynamo reach its first
-    # parameter through it, not through its module (see _module_params).
     if not group.infos:  # e.g. a root whose parameters all live in sharded blocks
         return ()
     if group.post_forward is not None and comm.use_traced_path():
@@ -94,7 +97,13 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
             "the sharded parameters. Under torch.compile use reshard_after_forward=True "
             "or False (e.g. set_reshard_after_forward(True))"
         )
-    params = _module_params(group) if comm.use_traced_path() else group.sharded_params
+    if not comm.use_traced_path():
+        # No DTensor autograd per parameter: see UnshardParams.
+        locals_ = [p._local_tensor for p in group.sharded_params]
+        return UnshardParams.apply(group, group.backward_anchor, *locals_)
+    # Not ``group.sharded_params``: testing that list makes Dynamo reach its first
+    # parameter through it, not through its module (see _module_params).
+    params = _module_params(group)
     # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
     # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
     # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
