@@ -52,6 +52,7 @@ def foreach_all_gather(
     *,
     streams: comm.DeviceStreams | None = None,
     all_gather_comm: AllGather | None = None,
+    check: bool = True,
 ) -> AllGatherResult:
     """Copies this rank's shards into one buffer and starts one all-gather of it.
 
@@ -63,12 +64,16 @@ def foreach_all_gather(
         streams: eager-only copy-in stream holder for devices with streams.
         all_gather_comm: eager-only FSDP2 ``AllGather``: allocates the output buffer
             and runs the collective (default: ``torch.empty`` and c10d).
+        check: validate the bucket against ``infos`` (``False``: the caller built
+            both together and checked them once, as ``fully_shard``'s groups do).
 
     Returns:
         The in-flight :class:`AllGatherResult`; compute may run before copy-out.
     """
-    check_bucket(sharded_tensors, infos, group, tensors_name="sharded_tensors", expect="sharded")
-    check_bucket_bytes(infos)
+    if check:
+        check_bucket(sharded_tensors, infos, group, tensors_name="sharded_tensors",
+                     expect="sharded")
+        check_bucket_bytes(infos)
     dtype = all_gather_dtype(infos)
     padded_numels = [info.padded_sharded_numel for info in infos]
     traced = comm.use_traced_path()

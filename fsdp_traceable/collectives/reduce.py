@@ -99,6 +99,7 @@ def start_foreach_reduce(
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
     accumulate_into: Sequence[torch.Tensor] | None = None,
     reduce_scatter_comm: ReduceScatter | None = None,
+    check: bool = True,
 ) -> PendingReduce:
     """Copies a bucket of unsharded gradients in and starts its reduce-scatter.
 
@@ -126,25 +127,29 @@ def start_foreach_reduce(
         reduce_scatter_comm: eager-only FSDP2 ``ReduceScatter``: allocates the
             reduce-scatter's input (the copy-in is copied into it) and output, and
             runs the collective.
+        check: validate the bucket and the state arguments (``False``: the caller
+            built them together and checked them once, as ``fully_shard``'s groups do).
 
     Returns:
         The :class:`PendingReduce` (in eager mode an async c10d reduce-scatter, so
         compute can run before :func:`finish_foreach_reduce`).
     """
-    check_bucket(unsharded_grads, infos, reduce_scatter_group, tensors_name="unsharded_grads",
-                 expect="unsharded")
-    check_bucket_bytes(infos)
+    if check:
+        check_bucket(unsharded_grads, infos, reduce_scatter_group,
+                     tensors_name="unsharded_grads", expect="unsharded")
+        check_bucket_bytes(infos)
     check_uniform([g.dtype for g in unsharded_grads], "unsharded_grads dtype",
                   "cast every gradient of a bucket to one dtype (the param_dtype)")
     reduce_dtype = check_uniform([i.reduce_dtype for i in infos], "reduce_dtype",
                                  "build every ShardInfo of a bucket with one reduce_dtype")
     orig_dtype = check_uniform([i.orig_dtype for i in infos], "orig_dtype",
                                "bucket parameters of one dtype together")
-    check_reduce_state(
-        infos, reduce_dtype, has_all_reduce_group=all_reduce_group is not None,
-        all_reduce_grads=all_reduce_grads, partial_reduce_output=partial_reduce_output,
-        accumulate_into=accumulate_into,
-    )
+    if check:
+        check_reduce_state(
+            infos, reduce_dtype, has_all_reduce_group=all_reduce_group is not None,
+            all_reduce_grads=all_reduce_grads, partial_reduce_output=partial_reduce_output,
+            accumulate_into=accumulate_into,
+        )
     all_reduce_size = 1
     if all_reduce_group is not None:
         all_reduce_size = all_reduce_group.size()

@@ -209,7 +209,8 @@ class ParamGroup:
         sharded_locals = self._on_device(sharded_locals)
         if not self.has_extensions:
             result = foreach_all_gather(sharded_locals, self.infos, self.shard_group,
-                                        streams=streams, all_gather_comm=self.all_gather_comm)
+                                        streams=streams, all_gather_comm=self.all_gather_comm,
+                                        check=False)
             return PendingUnshard(result, None)
         hook_inputs = all_gather_inputs(sharded_locals, self.infos, self.extensions)
         result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, self.shard_group,
@@ -386,6 +387,7 @@ class ParamGroup:
             partial_reduce_output=self.eager.take_partial_reduce_output(),
             all_reduce_hook=self._all_reduce_hook(),
             reduce_scatter_comm=self.reduce_scatter_comm,
+            check=False,
         )
         if not comm.use_traced_path():
             # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
