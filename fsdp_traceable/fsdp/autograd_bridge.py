@@ -24,21 +24,43 @@ from .param_group import ParamGroup
 torch._dynamo.eval_frame.skip_code(DTensor.__tensor_unflatten__.__code__)
 
 
-class UnshardParams(torch.autograd.Function):
-    """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
+class LocalShard(torch.autograd.Function):
+    """``DTensor.to_local`` for the eager path, with a backward compiled autograd traces.
 
-    Inputs are the group's sharded local tensors; outputs the unsharded parameters.
-    Traced, they come from ``DTensor.to_local`` and autograd accumulates the returned
-    sharded gradients into the parameters' ``.grad`` through its backward. Eager, the
-    reduction writes ``.grad`` itself once its reduce-scatter completes (see
-    ``reduce_queue``), so the plain local tensors go in and ``anchor``, a leaf that
-    requires grad, is what puts this node in the graph.
+    Parameters unsharded eagerly (``FSDPModule.unshard()``, or an eager forward) can
+    have their backward captured by compiled autograd; Dynamo cannot trace
+    ``to_local``'s own backward (it calls a C++ stride helper), but traces
+    ``DTensor.from_local`` with the parameter's shape and stride given. It is also
+    cheaper than ``to_local`` on the host.
     """
 
     @staticmethod
-    def forward(
-        ctx, group: ParamGroup, anchor: torch.Tensor | None, *sharded_locals: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, param: DTensor) -> torch.Tensor:
+        ctx.spec = param._spec
+        local = param._local_tensor
+        return local.view_as(local)  # a fresh tensor object for autograd to annotate
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None) -> DTensor | None:
+        if grad is None:
+            return None
+        spec = ctx.spec
+        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
+                                  shape=spec.shape, stride=spec.stride)
+
+
+class UnshardParams(torch.autograd.Function):
+    """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
+
+    Inputs are the group's sharded local tensors (from ``DTensor.to_local`` traced,
+    :class:`LocalShard` eager); outputs the unsharded parameters. A traced backward
+    returns the sharded gradients, which autograd accumulates into the parameters'
+    ``.grad`` through those inputs; an eager one returns none and the reduction writes
+    ``.grad`` once its reduce-scatter completes (see ``reduce_queue``).
+    """
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
         unsharded = group.all_gather(sharded_locals)
@@ -49,7 +71,7 @@ class UnshardParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, None, *ctx.group.reduce_grads(unsharded_grads))
+        return (None, *ctx.group.reduce_grads(unsharded_grads))
 
 
 def _recompute_all_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -61,7 +83,7 @@ def _recompute_all_gather_context():
 
 
 def _apply_unshard(group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return UnshardParams.apply(group, None, *sharded_locals)
+    return UnshardParams.apply(group, *sharded_locals)
 
 
 def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
@@ -97,17 +119,17 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
             "the sharded parameters. Under torch.compile use reshard_after_forward=True "
             "or False (e.g. set_reshard_after_forward(True))"
         )
-    if not comm.use_traced_path():
-        # No DTensor autograd per parameter: see UnshardParams.
-        locals_ = [p._local_tensor for p in group.sharded_params]
-        return UnshardParams.apply(group, group.backward_anchor, *locals_)
-    # Not ``group.sharded_params``: testing that list makes Dynamo reach its first
-    # parameter through it, not through its module (see _module_params).
-    params = _module_params(group)
+    traced = comm.use_traced_path()
+    # Not ``group.sharded_params`` when traced: testing that list makes Dynamo reach its
+    # first parameter through it, not through its module (see _module_params).
+    params = _module_params(group) if traced else group.sharded_params
     # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
     # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
     # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
-    sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]
+    sharded_locals = [
+        (p.to_local() if traced else LocalShard.apply(p)) if p.numel() else p.to_local().detach()
+        for p in params
+    ]
     if recompute_in_backward:
         return checkpoint(
             _apply_unshard, group, *sharded_locals,

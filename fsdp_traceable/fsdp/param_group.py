@@ -130,8 +130,6 @@ class ParamGroup:
         # no-sync gradient accumulation) and the group backward prefetches.
         self.eager = EagerState()
         self.prefetch_backward: Callable[[], None] | None = None
-        # Eager: the leaf that connects the group's unsharding to autograd.
-        self.backward_anchor = torch.empty(0, device=self.device, requires_grad=True)
 
     @property
     def reshard_after_forward(self) -> bool:
