@@ -3,7 +3,8 @@
 A list of modules as one group (torchtitan's ``[norm, output]``), ``reshard_after_forward``
 True on the root, ``CPUOffloadPolicy``, ``ignored_params``, float64 parameters and a
 ``ShardPlacementResult``: eager bitwise (losses, this rank's first gradients and shards,
-full parameters after 3 AdamW steps), compiled with compiled autograd within 1e-5.
+full parameters after 3 AdamW steps), compiled with compiled autograd within 1e-5
+(2 ranks).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ COMPILED_CASES = ("module_list_group", "root_reshard_true", "cpu_offload")
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def ranks(request) -> list[dict[str, Any]]:
     cases = [(f"{name}_eager", getattr(parity_cases, name), ("eager",)) for name in EAGER_CASES]
-    cases += [(f"{name}_compile-ca", getattr(parity_cases, name), ("compile-ca",))
-              for name in COMPILED_CASES]
+    if request.param == 2:  # compiled: 2 ranks only (the compile dominates the test's time)
+        cases += [(f"{name}_compile-ca", getattr(parity_cases, name), ("compile-ca",))
+                  for name in COMPILED_CASES]
     return run_on_local_ranks(run_cases, request.param, cases, timeout_s=600)
 
 
@@ -68,6 +70,8 @@ def test_eager_matches_fsdp2_bitwise(ranks, name: str):
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", COMPILED_CASES)
 def test_compiled_autograd_within_1e5_of_fsdp2(ranks, name: str):
+    if len(ranks) != 2:
+        pytest.skip("compiled cases run on 2 ranks")
     for result in _case(ranks, f"{name}_compile-ca"):
         theirs, ours = result["theirs"], result["ours"]
         _assert_close(theirs["losses"], ours["losses"], "losses", 1e-5)
