@@ -37,6 +37,9 @@ class LocalShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
         ctx.spec = param._spec
+        # An eager backward sends no gradient here (the reduction writes .grad): it
+        # must reach AccumulateGrad as none, not as zeros.
+        ctx.set_materialize_grads(False)
         local = param._local_tensor
         return local.view_as(local)  # a fresh tensor object for autograd to annotate
 
