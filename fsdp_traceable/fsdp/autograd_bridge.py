@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo.eval_frame
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -24,18 +25,56 @@ from .param_group import ParamGroup
 torch._dynamo.eval_frame.skip_code(DTensor.__tensor_unflatten__.__code__)
 
 
-class UnshardParams(torch.autograd.Function):
-    """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
+class LocalShard(torch.autograd.Function):
+    """``DTensor.to_local`` for the eager path, with a backward compiled autograd traces.
 
-    Inputs are the group's sharded local tensors; outputs the unsharded parameters.
-    Autograd accumulates the returned sharded gradients into the sharded DTensor
-    parameters' ``.grad`` (through ``DTensor.to_local``'s backward).
+    Parameters unsharded eagerly (``FSDPModule.unshard()``, or an eager forward) can
+    have their backward captured by compiled autograd; Dynamo cannot trace
+    ``to_local``'s own backward (it calls a C++ stride helper), but traces
+    ``DTensor.from_local`` with the parameter's shape and stride given.
     """
 
     @staticmethod
-    def forward(ctx, group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, param: DTensor) -> torch.Tensor:
+        ctx.spec = param._spec
+        ctx.set_materialize_grads(False)  # no gradient (no-sync, unused) stays None
+        local = param._local_tensor
+        return local.view_as(local)  # a fresh tensor object for autograd to annotate
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None) -> DTensor | None:
+        if grad is None:
+            return None
+        spec = ctx.spec
+        if grad.device.type == spec.mesh.device_type:
+            return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
+                                      shape=spec.shape, stride=spec.stride)
+        # CPU offload on a GPU mesh: the gradient stays on the host, where from_local
+        # would move it to the mesh's device; wrapped as to_local's backward does.
+        meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
+        return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+                       requires_grad=grad.requires_grad)
+
+
+class UnshardParams(torch.autograd.Function):
+    """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
+
+    Inputs are the group's sharded local tensors, then the unsharded gradients that eager
+    no-sync microbatches accumulated (by parameter index ``accumulated_indices``), which
+    backward adds before reducing; outputs the unsharded parameters.
+    Autograd accumulates the returned sharded gradients into the sharded DTensor
+    parameters' ``.grad`` (through the backward of ``DTensor.to_local`` when traced, of
+    :class:`LocalShard` in eager).
+    """
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, accumulated_indices: tuple[int, ...],
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
+        ctx.accumulated_indices = accumulated_indices
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
+        sharded_locals = inputs[: len(inputs) - len(accumulated_indices)]
+        ctx.save_for_backward(*inputs[len(sharded_locals):])
         unsharded = group.all_gather(sharded_locals)
         frozen = [t for t, p in zip(unsharded, group.sharded_params) if not p.requires_grad]
         if frozen:
@@ -44,7 +83,9 @@ class UnshardParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *ctx.group.reduce_grads(unsharded_grads))
+        accumulated = dict(zip(ctx.accumulated_indices, ctx.saved_tensors))
+        sharded_grads = ctx.group.reduce_grads(unsharded_grads, accumulated)
+        return (None, None, *sharded_grads, *[None] * len(accumulated))
 
 
 def _recompute_all_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -55,8 +96,9 @@ def _recompute_all_gather_context():
     return create_selective_checkpoint_contexts(_recompute_all_gather_policy)
 
 
-def _apply_unshard(group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return UnshardParams.apply(group, *sharded_locals)
+def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
+                   *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return UnshardParams.apply(group, accumulated_indices, *inputs)
 
 
 def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
@@ -90,10 +132,22 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
     # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
     # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
     # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
-    sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]
+    traced = comm.use_traced_path()
+    sharded_locals = [
+        (p.to_local() if traced else LocalShard.apply(p)) if p.numel() else p.to_local().detach()
+        for p in params
+    ]
+    accumulated: dict[int, torch.Tensor] = {}
+    if traced and torch.is_grad_enabled():
+        # Gradients of eager no-sync microbatches join this compiled backward as inputs:
+        # a traced backward may not take them from the group's state (Dynamo refuses
+        # mutating Python objects there), the traced forward may.
+        accumulated = group.eager.take_accumulated_grads() or {}
+    indices = tuple(sorted(accumulated))
+    inputs = (*sharded_locals, *(accumulated[i] for i in indices))
     if recompute_in_backward:
         return checkpoint(
-            _apply_unshard, group, *sharded_locals,
+            _apply_unshard, group, indices, *inputs,
             use_reentrant=False, context_fn=_recompute_all_gather_context,
         )
-    return _apply_unshard(group, *sharded_locals)
+    return _apply_unshard(group, indices, *inputs)
