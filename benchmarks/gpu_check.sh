@@ -37,7 +37,7 @@ step bench 210 "$PY" -m fsdp_traceable bench --device cuda --world-size 1 --mp b
   --dim 1024 --layers 8 --heads 16 --vocab-size 8192 --seq-len 512 --batch-size 8 \
   --bench-steps 10 --out "$OUT/bench"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  step tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+  step tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
 else
   echo "tests: skipped, pytest is not installed for $PY" | tee -a "$summary"
 fi

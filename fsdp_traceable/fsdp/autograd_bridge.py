@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo.eval_frame
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -48,24 +49,36 @@ class LocalShard(torch.autograd.Function):
         if grad is None:
             return None
         spec = ctx.spec
-        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
-                                  shape=spec.shape, stride=spec.stride)
+        if grad.device.type == spec.mesh.device_type:
+            return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
+                                      shape=spec.shape, stride=spec.stride)
+        # CPU offload on a GPU mesh: the gradient stays on the host, where from_local
+        # would move it to the mesh's device; wrapped as to_local's backward does.
+        meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
+        return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+                       requires_grad=grad.requires_grad)
 
 
 class UnshardParams(torch.autograd.Function):
     """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
 
     Inputs are the group's sharded local tensors (from ``DTensor.to_local`` traced,
-    :class:`LocalShard` eager); outputs the unsharded parameters. A traced backward
+    :class:`LocalShard` eager), then the unsharded gradients that eager no-sync
+    microbatches accumulated (by parameter index ``accumulated_indices``), which
+    backward adds before reducing; outputs the unsharded parameters. A traced backward
     returns the sharded gradients, which autograd accumulates into the parameters'
     ``.grad`` through those inputs; an eager one returns none and the reduction writes
     ``.grad`` once its reduce-scatter completes (see ``reduce_queue``).
     """
 
     @staticmethod
-    def forward(ctx, group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, group: ParamGroup, accumulated_indices: tuple[int, ...],
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
+        ctx.accumulated_indices = accumulated_indices
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
+        sharded_locals = inputs[: len(inputs) - len(accumulated_indices)]
+        ctx.save_for_backward(*inputs[len(sharded_locals):])
         unsharded = group.all_gather(sharded_locals)
         frozen = [t for t, p in zip(unsharded, group.sharded_params) if not p.requires_grad]
         if frozen:
@@ -74,7 +87,9 @@ class UnshardParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *ctx.group.reduce_grads(unsharded_grads))
+        accumulated = dict(zip(ctx.accumulated_indices, ctx.saved_tensors))
+        sharded_grads = ctx.group.reduce_grads(unsharded_grads, accumulated)
+        return (None, None, *sharded_grads, *[None] * len(accumulated))
 
 
 def _recompute_all_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -85,8 +100,9 @@ def _recompute_all_gather_context():
     return create_selective_checkpoint_contexts(_recompute_all_gather_policy)
 
 
-def _apply_unshard(group: ParamGroup, *sharded_locals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return UnshardParams.apply(group, *sharded_locals)
+def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
+                   *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return UnshardParams.apply(group, accumulated_indices, *inputs)
 
 
 def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
@@ -133,9 +149,17 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
         (p.to_local() if traced else LocalShard.apply(p)) if p.numel() else p.to_local().detach()
         for p in params
     ]
+    accumulated: dict[int, torch.Tensor] = {}
+    if traced and torch.is_grad_enabled():
+        # Gradients of eager no-sync microbatches join this compiled backward as inputs:
+        # a traced backward may not take them from the group's state (Dynamo refuses
+        # mutating Python objects there), the traced forward may.
+        accumulated = group.eager.take_accumulated_grads() or {}
+    indices = tuple(sorted(accumulated))
+    inputs = (*sharded_locals, *(accumulated[i] for i in indices))
     if recompute_in_backward:
         return checkpoint(
-            _apply_unshard, group, *sharded_locals,
+            _apply_unshard, group, indices, *inputs,
             use_reentrant=False, context_fn=_recompute_all_gather_context,
         )
-    return _apply_unshard(group, *sharded_locals)
+    return _apply_unshard(group, indices, *inputs)

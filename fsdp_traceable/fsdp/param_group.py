@@ -158,7 +158,9 @@ class ParamGroup:
         for owner, name, index in self.bindings:
             param = owner._parameters[name]
             if self.pin_memory and not param._local_tensor.is_pinned():
-                param._local_tensor = param._local_tensor.pin_memory()
+                # As FSDP2: shards materialized on the device (to_empty(device="cuda"))
+                # go back to host memory.
+                param._local_tensor = _pinned(param._local_tensor.cpu())
             self.sharded_params[index] = param
         self.extensions = self._detect_extensions()
         for owner, _, index in self.bindings:
@@ -325,9 +327,15 @@ class ParamGroup:
             self.eager.unsharded_for_backward = None
 
     def reduce_grads(
-        self, unsharded_grads: tuple[torch.Tensor | None, ...]
+        self,
+        unsharded_grads: tuple[torch.Tensor | None, ...],
+        accumulated: dict[int, torch.Tensor] | None = None,
     ) -> list[torch.Tensor | None]:
-        """Reduce-scatters the trainable parameters' gradients into sharded gradients."""
+        """Reduce-scatters the trainable parameters' gradients into sharded gradients.
+
+        ``accumulated``: earlier no-sync microbatches' unsharded gradients, by parameter
+        index, passed in by a compiled backward; eager takes them from the group's state.
+        """
         # Guarded: a traced backward must not mutate Python state (Dynamo refuses such
         # side effects inside an autograd.Function), and there it is always None.
         if self.reshard_after_backward and self.eager.unsharded_for_backward is not None:
@@ -347,7 +355,8 @@ class ParamGroup:
                 if i not in grads and param.requires_grad:
                     grads[i] = torch.zeros(info.global_size, dtype=info.param_dtype,
                                            device=self.device)
-        accumulated = self.eager.take_accumulated_grads()
+        if not accumulated:
+            accumulated = self.eager.take_accumulated_grads()
         if accumulated is not None or not self.requires_gradient_sync:
             # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
             grads = {i: g.to(self.infos[i].reduce_dtype) for i, g in grads.items()}
@@ -439,10 +448,24 @@ def _sharded_param(
 ) -> nn.Parameter:
     local = shard_tensor(param.detach().to(device), info)
     if pin_memory and device.type == "cpu":
-        local = local.pin_memory()
+        local = _pinned(local)
     shard = Shard(info.shard_dim)
     placements = (Replicate(), shard) if is_hsdp else (shard,)
     dtensor = DTensor.from_local(
         local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride(),
     )
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _pinned(local: torch.Tensor) -> torch.Tensor:
+    """``local`` in pinned host memory. Pinning needs an accelerator: without one torch
+    raises ``RuntimeError``, as under FSDP2 (at ``fully_shard``, or at ``to_empty`` for
+    parameters built on meta); the same type, saying which argument to change."""
+    try:
+        return local.pin_memory()
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"CPUOffloadPolicy(pin_memory=True) could not pin the sharded parameters in host "
+            f"memory ({err}): pinning needs an accelerator; pass "
+            "CPUOffloadPolicy(pin_memory=False) on a machine without one"
+        ) from err

@@ -29,6 +29,7 @@ from fsdp_traceable.models.transformer import Transformer, TransformerConfig, sh
 from tests.fsdp.parity_utils import (
     backward_context,
     batch,
+    compile_backend,
     full_params,
     loss_fn,
     make_optimizer,
@@ -105,9 +106,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def uneven_transformer(seed: int = 0) -> Transformer:
+def uneven_transformer(seed: int = 0, config: TransformerConfig = UNEVEN) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(UNEVEN)
+    return Transformer(config)
 
 
 # -- fully_shard's arguments ---------------------------------------------------------
@@ -143,18 +144,22 @@ def _ignored_norm_shard(model: Transformer, fully_shard_fn: Callable, **kwargs: 
     return model
 
 
-def ignored_params(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+def ignored_params(rank: int, world_size: int, mode: str,
+                   config: TransformerConfig = UNEVEN) -> dict[str, Any]:
     """Two norm weights ignored: left unsharded, their gradients not reduced."""
-    result = train_modes(uneven_transformer(), rank, world_size, _ignored_norm_shard, mode)
-    model = _ignored_norm_shard(uneven_transformer(), fsdp_traceable.fully_shard)
+    result = train_modes(uneven_transformer(config=config), rank, world_size,
+                         _ignored_norm_shard, mode)
+    model = _ignored_norm_shard(uneven_transformer(config=config), fsdp_traceable.fully_shard)
     result["ignored_types"] = [type(model.layers[0].attention_norm.weight).__name__,
                                type(model.norm.weight).__name__]
     return result
 
 
-def float64_params(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+def float64_params(rank: int, world_size: int, mode: str,
+                   config: TransformerConfig = UNEVEN) -> dict[str, Any]:
     """A float64 model (gloo all-gathers and reduce-scatters float64)."""
-    return train_modes(uneven_transformer().double(), rank, world_size, shard_transformer, mode)
+    return train_modes(uneven_transformer(config=config).double(), rank, world_size,
+                       shard_transformer, mode)
 
 
 def shard_placement_result(rank: int, world_size: int, mode: str) -> dict[str, Any]:
@@ -187,13 +192,15 @@ def init_weights(model: nn.Module) -> None:
             nn.init.trunc_normal_(param, mean=0.0, std=0.02)
 
 
-def meta_init(rank: int, world_size: int, how: str) -> dict[str, Any]:
+def meta_init(rank: int, world_size: int, how: str, mode: str = "eager",
+              config: TransformerConfig = UNEVEN) -> dict[str, Any]:
     """Built on meta, sharded (torchtitan grouping), ``to_empty``, then initialized by
-    ``reset_parameters()`` of every module or by :func:`init_weights`, from one seed."""
+    ``reset_parameters()`` of every module or by :func:`init_weights`, from one seed;
+    FSDP2 trains eagerly, ours in ``mode``."""
     result = {}
     for name, fully_shard_fn in LIBRARIES:
         with torch.device("meta"):
-            model = Transformer(UNEVEN)
+            model = Transformer(config)
         titan_shard(model, fully_shard_fn)
         model.to_empty(device="cpu")
         torch.manual_seed(7)
@@ -204,7 +211,7 @@ def meta_init(rank: int, world_size: int, how: str) -> dict[str, Any]:
         else:
             init_weights(model)
         initial = [_local(p).detach().clone() for p in model.parameters()]
-        result[name] = run_steps(model, rank, world_size, "eager", 3)
+        result[name] = run_steps(model, rank, world_size, mode if name == "ours" else "eager", 3)
         result[name]["initial"] = initial
         result[name]["devices"] = sorted({p.device.type for p in model.parameters()})
     return result
@@ -256,15 +263,22 @@ def forward_methods(rank: int, world_size: int) -> dict[str, Any]:
 # -- unshard life cycle -----------------------------------------------------------------
 
 
-def unshard_life_cycle(rank: int, world_size: int, async_op: bool) -> dict[str, Any]:
+def unshard_life_cycle(rank: int, world_size: int, async_op: bool, mode: str = "eager",
+                       config: TransformerConfig = UNEVEN) -> dict[str, Any]:
     """``unshard()`` (all groups), forward, backward, step, then plain forwards: the
-    forward after the step must see the new weights. Also a bare unshard/reshard."""
-    base = uneven_transformer()
+    forward after the step must see the new weights. Also a bare unshard/reshard.
+    FSDP2 runs eagerly; ours in ``mode`` (``compile-ca``: the model under
+    ``torch.compile(fullgraph=True)``, backward under compiled autograd)."""
+    base = uneven_transformer(config=config)
     result: dict[str, Any] = {}
     for name, fully_shard_fn in LIBRARIES:
         model = shard_transformer(copy.deepcopy(base), fully_shard_fn)
+        ours_mode = mode if name == "ours" else "eager"
+        forward = model if ours_mode == "eager" else torch.compile(
+            model, backend=compile_backend(ours_mode), fullgraph=True)
+        backward_ctx = backward_context(ours_mode)
         optimizer = make_optimizer("adamw", model.parameters())
-        sums = []
+        sums, outputs = [], []
         for step in range(3):
             if step < 2:
                 handles = [m.unshard(async_op=async_op) for m in model.modules()
@@ -273,47 +287,71 @@ def unshard_life_cycle(rank: int, world_size: int, async_op: bool) -> dict[str, 
                     for handle in handles:
                         handle.wait()
             tokens, targets = batch(step, rank, world_size, UNEVEN)
-            logits = model(tokens)
+            logits = forward(tokens)
             sums.append(logits.detach().sum().item())
-            nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+            outputs.append(logits.detach().clone())
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            with backward_ctx():
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         model.unshard()
         model.reshard()
         with torch.no_grad():
-            sums.append(model(batch(9, rank, world_size, UNEVEN)[0]).sum().item())
-        result[name] = {"sums": sums, "params": full_params(model)}
+            outputs.append(forward(batch(9, rank, world_size, UNEVEN)[0]))
+        sums.append(outputs[-1].sum().item())
+        result[name] = {"sums": sums, "outputs": outputs, "params": full_params(model)}
     return result
 
 
 # -- Hugging Face Llama ---------------------------------------------------------------------
 
 
+def tiny_llama_config() -> Any:
+    """A tiny ``LlamaConfig`` with uneven shards at 2 and 3 ranks (71 rows, 51 hidden)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=71, hidden_size=32, intermediate_size=51,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=32, tie_word_embeddings=False,
+                       attn_implementation="eager")
+
+
+def llama_from_meta(fully_shard_fn: Callable, reference_buffers: list[torch.Tensor]) -> nn.Module:
+    """The tiny ``LlamaForCausalLM`` built on meta, sharded per decoder layer and at the
+    root, ``to_empty``, its buffers copied from ``reference_buffers``, initialized by
+    :func:`init_weights` from one seed."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama_config())
+    for layer in model.model.layers:
+        fully_shard_fn(layer)
+    fully_shard_fn(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for buffer, reference in zip(model.buffers(), reference_buffers, strict=True):
+            buffer.copy_(reference)
+    torch.manual_seed(11)
+    init_weights(model)
+    return model
+
+
+def llama_buffers() -> list[torch.Tensor]:
+    """Non-persistent buffers (the rotary frequencies) are computed in ``__init__``,
+    which meta skips; they come from a model built on CPU, as an init_weights would."""
+    from transformers import LlamaForCausalLM
+
+    return [b.clone() for b in LlamaForCausalLM(tiny_llama_config()).buffers()]
+
+
 def llama_meta_init(rank: int, world_size: int) -> dict[str, Any]:
     """A tiny ``LlamaForCausalLM`` (no weights) built on meta, sharded per decoder layer
     and at the root, ``to_empty``, initialized from one seed, 3 AdamW steps."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=71, hidden_size=32, intermediate_size=51,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32, tie_word_embeddings=False,
-                         attn_implementation="eager")
-    # Non-persistent buffers (the rotary frequencies) are computed in __init__, which
-    # meta skips; copy them from a model built on CPU, as an init_weights would.
-    reference_buffers = [b.clone() for b in LlamaForCausalLM(config).buffers()]
+    reference_buffers = llama_buffers()
     result = {}
     for name, fully_shard_fn in LIBRARIES:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        for layer in model.model.layers:
-            fully_shard_fn(layer)
-        fully_shard_fn(model)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for buffer, reference in zip(model.buffers(), reference_buffers, strict=True):
-                buffer.copy_(reference)
-        torch.manual_seed(11)
-        init_weights(model)
+        model = llama_from_meta(fully_shard_fn, reference_buffers)
         optimizer = make_optimizer("adamw", model.parameters())
         losses = []
         for step in range(3):

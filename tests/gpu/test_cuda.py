@@ -114,3 +114,67 @@ def test_world_one_nccl_training_matches_fsdp2_eager_and_unsharded_compile():
         assert losses(fsdp_traceable.fully_shard, "eager") == theirs
         for mode in ("compile", "compile-ca"):
             assert losses(fsdp_traceable.fully_shard, mode) == pytest.approx(theirs, abs=1e-2)
+
+
+@pytest.mark.parametrize("built_on", ["cpu", "meta"])
+def test_pinned_cpu_offload_matches_fsdp2(built_on: str):
+    """``CPUOffloadPolicy(pin_memory=True)``, fp32, world-1 NCCL: every sharded parameter
+    lives in pinned host memory (built on meta: after ``to_empty(device="cuda")``, which
+    FSDP2 also moves back to pinned host memory), gradients land on the host, and eager
+    losses and parameters are FSDP2's bit for bit; compiled autograd within 1e-5."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    from fsdp_traceable.models.transformer import (
+        Transformer,
+        TransformerConfig,
+        shard_transformer,
+    )
+
+    config = TransformerConfig(vocab_size=384, dim=128, n_layers=2, n_heads=4, max_seq_len=32)
+    policy = CPUOffloadPolicy(pin_memory=True)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (4, 32), device="cuda")
+    targets = torch.roll(tokens, 1, dims=1)
+
+    def train(fully_shard_fn, mode: str) -> dict:
+        torch.manual_seed(0)
+        with torch.device(built_on):
+            model = Transformer(config)
+        shard_transformer(model, fully_shard_fn, offload_policy=policy)
+        if built_on == "meta":
+            model.to_empty(device="cuda")
+            torch.manual_seed(1)
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        pinned = [p.to_local().is_pinned() for p in model.parameters()]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss_fn = model.loss if mode == "eager" else torch.compile(model.loss, fullgraph=True)
+        backward = (torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True))
+                    if mode == "compile-ca" else contextlib.nullcontext())
+        losses, grad_devices = [], set()
+        for _ in range(3):
+            loss = loss_fn(tokens, targets)
+            with backward:
+                loss.backward()
+            grad_devices |= {p.grad.device.type for p in model.parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        torch._dynamo.reset()
+        return {"losses": losses, "pinned": pinned, "grad_devices": grad_devices,
+                "params": [p.full_tensor().cpu() for p in model.parameters()]}
+
+    with _nccl_world_of_one():
+        theirs = train(fsdp2_fully_shard, "eager")
+        ours = train(fsdp_traceable.fully_shard, "eager")
+        compiled = train(fsdp_traceable.fully_shard, "compile-ca")
+    assert all(theirs["pinned"]) and all(ours["pinned"]) and all(compiled["pinned"])
+    assert ours["grad_devices"] == theirs["grad_devices"] == {"cpu"}
+    assert ours["losses"] == theirs["losses"]
+    for a, b in zip(theirs["params"], ours["params"], strict=True):
+        assert torch.equal(a, b)
+    assert compiled["losses"] == pytest.approx(theirs["losses"], abs=1e-5)
+    for a, b in zip(theirs["params"], compiled["params"], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)

@@ -1,0 +1,157 @@
+"""Rank-side bodies of the compiled FSDP2 parity tests: our ``fully_shard`` under
+``torch.compile(fullgraph=True)`` with compiled autograd, torch's FSDP2 eager as the
+reference.
+
+Every case returns plain results (and the graph breaks Dynamo counted while it ran);
+:func:`~tests.fsdp.feature_cases.run_cases` runs a list of them on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from fsdp_traceable.models.transformer import shard_transformer
+from tests.fsdp import parity_cases
+from tests.fsdp.parity_cases import LIBRARIES, UNEVEN, uneven_transformer
+from tests.fsdp.parity_utils import (
+    backward_context,
+    batch,
+    compile_backend,
+    full_params,
+    loss_fn,
+    make_optimizer,
+)
+
+# Compiled autograd over Dynamo and AOTAutograd, without Inductor's code generation:
+# with Inductor one of these cases takes about two minutes to compile on this machine.
+MODE = "compile-ca-aot-eager"
+# One block (a block group and the root group) keeps each compile to seconds; the
+# shards stay uneven at 2 ranks (71 vocabulary rows, 17 positions, 51 hidden rows).
+ONE_BLOCK = dataclasses.replace(UNEVEN, n_layers=1)
+MICROBATCHES = 4
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph-break counter: reason -> count."""
+    return dict(counters["graph_break"])
+
+
+def with_graph_breaks(rank: int, world_size: int, name: str, *args: Any) -> dict[str, Any]:
+    """Runs ``parity_cases.<name>(rank, world_size, *args)`` from a clean Dynamo state and
+    adds the graph breaks Dynamo counted meanwhile (``graph_breaks``)."""
+    torch._dynamo.reset()
+    counters.clear()
+    result = getattr(parity_cases, name)(rank, world_size, *args)
+    result["graph_breaks"] = graph_breaks()
+    return result
+
+
+# -- gradient accumulation without sync ----------------------------------------------------
+
+
+def no_sync_workaround(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
+    """``MICROBATCHES`` microbatches per step, gradient sync off for all but the last.
+
+    FSDP2 runs every microbatch eagerly. Ours runs the no-sync microbatches eagerly
+    (forward and backward) and the last one, with sync on, compiled: forward under
+    ``torch.compile(fullgraph=True)``, backward under compiled autograd, where the
+    accumulated unsharded gradients join the reduce-scatter.
+
+    Returns:
+        Per library: ``grads`` (this rank's local gradients before each step),
+        ``losses`` and ``params``; ours also ``graph_breaks``.
+    """
+    base = uneven_transformer(config=ONE_BLOCK)
+    result: dict[str, Any] = {}
+    for name, fully_shard_fn in LIBRARIES:
+        torch._dynamo.reset()
+        counters.clear()
+        model = shard_transformer(copy.deepcopy(base), fully_shard_fn)
+        optimizer = make_optimizer("adamw", model.parameters())
+        compiled_loss = loss_fn(model, MODE) if name == "ours" else model.loss
+        compiled_backward = backward_context(MODE if name == "ours" else "eager")
+        losses, grads = [], []
+        for step in range(steps):
+            for micro in range(MICROBATCHES):
+                last = micro == MICROBATCHES - 1
+                model.set_requires_gradient_sync(last)
+                data = batch(step * MICROBATCHES + micro, rank, world_size, ONE_BLOCK)
+                if last:
+                    loss = compiled_loss(*data)
+                    with compiled_backward():
+                        loss.backward()
+                else:
+                    loss = model.loss(*data)
+                    loss.backward()
+                losses.append(loss.item())
+            grads.append([p.grad.to_local().clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        result[name] = {"losses": losses, "grads": grads, "params": full_params(model),
+                        "graph_breaks": graph_breaks()}
+    return result
+
+
+# -- Hugging Face Llama ---------------------------------------------------------------------
+
+
+def _llama_step(forward: Callable, backward_ctx: Callable, step: int, rank: int,
+                world_size: int) -> torch.Tensor:
+    tokens, targets = batch(step, rank, world_size, UNEVEN)
+    loss = forward(input_ids=tokens, labels=targets).loss
+    with backward_ctx():
+        loss.backward()
+    return loss
+
+
+def llama_compiled(rank: int, world_size: int) -> dict[str, Any]:
+    """The tiny ``LlamaForCausalLM``: graph breaks of one compiled training step
+    unsharded and sharded, and 3 AdamW steps of ours compiled against FSDP2 eager.
+
+    Both compiles are the same: ``torch.compile(model, backend="aot_eager")`` without
+    ``fullgraph`` (so a break is counted, not raised) and backward under compiled
+    autograd with the same backend. The unsharded model is built on CPU; the sharded
+    ones on meta (per decoder layer, then the root), as
+    :func:`~tests.fsdp.parity_cases.llama_meta_init` does.
+
+    Returns:
+        ``unsharded_breaks`` and ``sharded_breaks`` (reason -> count, first step), and
+        per library ``losses`` and ``params``.
+    """
+    from transformers import LlamaForCausalLM
+
+    backend = compile_backend(MODE)
+    reference_buffers = parity_cases.llama_buffers()
+    result: dict[str, Any] = {}
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(11)
+    unsharded = LlamaForCausalLM(parity_cases.tiny_llama_config())
+    _llama_step(torch.compile(unsharded, backend=backend), backward_context(MODE), 0, rank,
+                world_size)
+    result["unsharded_breaks"] = graph_breaks()
+
+    for name, fully_shard_fn in LIBRARIES:
+        torch._dynamo.reset()
+        counters.clear()
+        model = parity_cases.llama_from_meta(fully_shard_fn, reference_buffers)
+        optimizer = make_optimizer("adamw", model.parameters())
+        ours = name == "ours"
+        forward = torch.compile(model, backend=backend) if ours else model
+        backward_ctx = backward_context(MODE if ours else "eager")
+        losses = []
+        for step in range(3):
+            losses.append(_llama_step(forward, backward_ctx, step, rank, world_size).item())
+            if ours and step == 0:
+                result["sharded_breaks"] = graph_breaks()
+            optimizer.step()
+            optimizer.zero_grad()
+        result[name] = {"losses": losses, "params": full_params(model)}
+    return result
