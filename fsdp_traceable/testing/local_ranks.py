@@ -73,6 +73,12 @@ def _local_rank_main(
     args: tuple, timeout_s: float, num_threads: int, backend: str,
 ) -> None:
     torch.set_num_threads(num_threads)
+    # One Inductor (and AOTAutograd) cache per rank: ranks of one job compile different
+    # shapes under the same graph key where shards are uneven, and a rank loading a
+    # peer's cached code fails its size checks (and its peers then wait on it).
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "fsdp_traceable_inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
     init_default_group(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s, backend=backend)
 
     def run_and_save() -> None:
