@@ -84,8 +84,8 @@ def _all_gather_inputs(graph_module: torch.fx.GraphModule) -> list[tuple[torch.d
     return found
 
 
-def test_compiled_all_gather_carries_float8_weights_as_bytes(fake_world):
-    model = shard_float8_mlp(Float8MLP(), fsdp_traceable.fully_shard)
+def _forward_graph(model) -> torch.fx.GraphModule:
+    """The one Dynamo graph of ``model.loss`` on the first batch (fullgraph)."""
     graphs: list[torch.fx.GraphModule] = []
 
     def capture(graph_module: torch.fx.GraphModule, example_inputs) -> object:
@@ -94,6 +94,12 @@ def test_compiled_all_gather_carries_float8_weights_as_bytes(fake_world):
 
     torch.compile(model.loss, backend=capture, fullgraph=True)(*_batch(0, 0))
     (graph,) = graphs
+    return graph
+
+
+def test_compiled_all_gather_carries_float8_weights_as_bytes(fake_world):
+    model = shard_float8_mlp(Float8MLP(), fsdp_traceable.fully_shard)
+    graph = _forward_graph(model)
     # Per rank: 7x16 float8 + 7 fp32 bias, 5x13 float8 + 5 fp32 bias (bytes); 3x9 + 3 fp32.
     assert _all_gather_inputs(graph) == [
         (torch.uint8, 7 * 16 + 7 * 4), (torch.uint8, 5 * 13 + 5 * 4), (torch.float32, 3 * 9 + 3),
@@ -102,15 +108,9 @@ def test_compiled_all_gather_carries_float8_weights_as_bytes(fake_world):
 
 def test_hooks_are_inlined_not_graph_ops(fake_world):
     model = shard_float8_mlp(Float8MLP(), fsdp_traceable.fully_shard)
-    graphs: list[torch.fx.GraphModule] = []
-
-    def capture(graph_module: torch.fx.GraphModule, example_inputs) -> object:
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch.compile(model.loss, backend=capture, fullgraph=True)(*_batch(0, 0))
+    graph = _forward_graph(model)
     targets = {
-        str(node.target) for module in graphs[0].modules()
+        str(node.target) for module in graph.modules()
         if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes
     }
     assert not any("fsdp_pre_all_gather" in t or "fsdp_post_all_gather" in t for t in targets)

@@ -7,10 +7,9 @@ process group, ``aot_eager`` backends; numbers against FSDP2 are in
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from compile_tests.sharded_model import data, make_model
+from compile_tests.sharded_model import make_model
 from compile_tests.test_recompiles import Step
 from fsdp_traceable.testing import track_compiles
 from fsdp_traceable.testing.fake_world import fake_process_group

@@ -24,6 +24,7 @@ from ..collectives import (
 )
 from ..collectives.reduce import finish_foreach_reduce, start_foreach_reduce
 from ..collectives.validation import check_bucket_bytes
+from . import reduce_queue
 from .all_gather_extensions import (
     AllGatherExtension,
     PendingUnshard,
@@ -33,7 +34,6 @@ from .all_gather_extensions import (
 )
 from .arguments import shard_placement
 from .eager_state import EagerState
-from . import reduce_queue
 from .post_forward import PostForwardResharding
 
 if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only

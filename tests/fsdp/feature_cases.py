@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -83,6 +84,49 @@ def count_all_gathers() -> Iterator[list[int]]:
             yield total
         finally:
             total[0] = ours[0] + theirs[0]
+
+
+@contextlib.contextmanager
+def record_all_gathers(record: Callable[[torch.Tensor, torch.Tensor, Any], Any]) -> Iterator[list]:
+    """Records ``record(output, input, group)`` for every eager c10d flat all-gather
+    either library issues (under both names; the outermost call only), in call order.
+
+    Returns:
+        The list the records are appended to.
+    """
+    records: list = []
+    originals = {name: getattr(dist, name) for name in ("all_gather_single",
+                                                        "all_gather_into_tensor")
+                 if hasattr(dist, name)}
+    depth = [0]
+
+    def recording(original: Callable) -> Callable:
+        def call(output, input, *args, **kwargs):
+            if depth[0] == 0:
+                records.append(record(output, input, kwargs.get("group", args[0] if args else None)))
+            depth[0] += 1
+            try:
+                return original(output, input, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, recording(original))
+    try:
+        yield records
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def case_results(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Case ``name``'s result on every rank; fails the test with a rank's traceback if
+    the case raised there."""
+    for rank, result in enumerate(results):
+        if "error" in result[name]:
+            pytest.fail(f"case {name!r} raised on rank {rank}:\n{result[name]['error']}")
+    return [r[name] for r in results]
 
 
 def count_reduce_scatters() -> contextlib.AbstractContextManager[list[int]]:

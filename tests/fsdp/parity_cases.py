@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,11 +21,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.fsdp._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    ShardPlacementResult,
+)
 from torch.distributed.tensor import Shard
 
 import fsdp_traceable
-from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+from fsdp_traceable.models.transformer import (
+    Transformer,
+    TransformerConfig,
+    shard_transformer,
+)
+from tests.fsdp.feature_cases import record_all_gathers
 from tests.fsdp.parity_utils import (
     backward_context,
     batch,
@@ -368,27 +376,9 @@ def llama_meta_init(rank: int, world_size: int) -> dict[str, Any]:
 # -- reshard_after_forward=N -----------------------------------------------------------
 
 
-@contextlib.contextmanager
-def all_gather_group_sizes() -> Iterator[list[int]]:
+def all_gather_group_sizes() -> contextlib.AbstractContextManager[list[int]]:
     """Records the process-group size of every eager c10d all-gather either library issues."""
-    sizes: list[int] = []
-    originals = {name: getattr(dist, name) for name in ("all_gather_into_tensor",
-                                                        "all_gather_single")
-                 if hasattr(dist, name)}
-
-    def recording(original: Callable) -> Callable:
-        def call(output, input, group=None, *args, **kwargs):
-            sizes.append(dist.get_world_size(group))
-            return original(output, input, group, *args, **kwargs)
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, recording(original))
-    try:
-        yield sizes
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    return record_all_gathers(lambda output, input, group: dist.get_world_size(group))
 
 
 def reshard_to_subgroups(rank: int, world_size: int, group_size: int) -> dict[str, Any]:

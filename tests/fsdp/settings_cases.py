@@ -19,8 +19,8 @@ import fsdp_traceable
 from fsdp_traceable.models.transformer import Transformer
 from tests.fsdp import parity_cases
 from tests.fsdp.feature_cases import (
-    count_calls,
     count_all_gathers,
+    count_calls,
     count_reduce_scatters,
     fsdp_modules,
     seeded_transformer,

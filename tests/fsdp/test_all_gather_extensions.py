@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-from collections.abc import Iterator
 from typing import ClassVar
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -20,6 +17,7 @@ import fsdp_traceable
 from fsdp_traceable.fsdp import param_group
 from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from tests.fsdp.feature_cases import record_all_gathers
 from tests.fsdp.float8_weight import (
     Float8CastWeight,
     Float8MLP,
@@ -32,33 +30,10 @@ STEPS = 3
 WORLD_SIZE = 2
 
 
-@contextlib.contextmanager
-def recorded_all_gathers() -> Iterator[list[tuple[int, torch.Tensor]]]:
+def recorded_all_gathers() -> contextlib.AbstractContextManager[list[tuple[int, torch.Tensor]]]:
     """Records every c10d flat all-gather: (input bytes, output tensor), in call order."""
-    records: list[tuple[int, torch.Tensor]] = []
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    originals = {name: getattr(dist, name) for name in names}
-    depth = [0]
-
-    def recording(original):
-        @functools.wraps(original)
-        def call(output, input, *args, **kwargs):
-            if depth[0] == 0:
-                records.append((input.numel() * input.element_size(), output))
-            depth[0] += 1
-            try:
-                return original(output, input, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, recording(original))
-    try:
-        yield records
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    return record_all_gathers(
+        lambda output, input, group: (input.numel() * input.element_size(), output))
 
 
 class _ByteAllGather(DefaultAllGather):

@@ -33,7 +33,7 @@ from tests.fsdp.compiled_cases import (
     no_sync_workaround,
     with_graph_breaks,
 )
-from tests.fsdp.feature_cases import assert_bitwise, run_cases
+from tests.fsdp.feature_cases import assert_bitwise, case_results, run_cases
 from tests.fsdp.parity_utils import backward_context, batch, loss_fn
 
 CASES = [
@@ -60,12 +60,6 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[st
         yield run_on_local_ranks(run_cases, 2, CASES, timeout_s=600)
 
 
-def _case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    for rank, result in enumerate(results):
-        if "error" in result[name]:
-            pytest.fail(f"case {name!r} raised on rank {rank}:\n{result[name]['error']}")
-    return [r[name] for r in results]
-
 
 def _assert_close(theirs: list, ours: list, what: str, atol: float = ATOL) -> None:
     assert len(theirs) == len(ours), f"{what}: {len(theirs)} vs {len(ours)}"
@@ -79,7 +73,7 @@ def _assert_close(theirs: list, ours: list, what: str, atol: float = ATOL) -> No
 
 @pytest.mark.gloo
 def test_ignored_params_compiled_match_fsdp2(two_ranks):
-    for result in _case(two_ranks, "ignored_params"):
+    for result in case_results(two_ranks, "ignored_params"):
         assert result["graph_breaks"] == {}
         assert result["ignored_types"] == ["Parameter", "Parameter"]  # not DTensors
         theirs, ours = result["theirs"], result["ours"]
@@ -90,7 +84,7 @@ def test_ignored_params_compiled_match_fsdp2(two_ranks):
 
 @pytest.mark.gloo
 def test_float64_compiled_matches_fsdp2(two_ranks):
-    for result in _case(two_ranks, "float64_params"):
+    for result in case_results(two_ranks, "float64_params"):
         assert result["graph_breaks"] == {}
         theirs, ours = result["theirs"], result["ours"]
         assert {p.dtype for p in ours["params"]} == {torch.float64}
@@ -101,7 +95,7 @@ def test_float64_compiled_matches_fsdp2(two_ranks):
 
 @pytest.mark.gloo
 def test_meta_init_compiled_matches_fsdp2(two_ranks):
-    for result in _case(two_ranks, "meta_init"):
+    for result in case_results(two_ranks, "meta_init"):
         theirs, ours = result["theirs"], result["ours"]
         assert ours["devices"] == ["cpu"]
         assert_bitwise(theirs["initial"], ours["initial"], "initialized local shards")
@@ -115,7 +109,7 @@ def test_unshard_before_compiled_forward_then_step_matches_fsdp2(two_ranks):
     """Outputs of: unshard + forward (steps 0 and 1, each followed by backward and a
     step), a plain forward after the step (step 2: the new weights, not the ones
     unshard() gathered), and a no-grad forward after unshard()/reshard()."""
-    for result in _case(two_ranks, "unshard_life_cycle"):
+    for result in case_results(two_ranks, "unshard_life_cycle"):
         theirs, ours = result["theirs"], result["ours"]
         _assert_close(theirs["outputs"], ours["outputs"], "forward outputs")
         _assert_close(theirs["params"], ours["params"], "parameters")
@@ -124,7 +118,7 @@ def test_unshard_before_compiled_forward_then_step_matches_fsdp2(two_ranks):
 
 @pytest.mark.gloo
 def test_eager_no_sync_then_compiled_last_microbatch_gives_fsdp2_gradients(two_ranks):
-    for result in _case(two_ranks, "no_sync_workaround"):
+    for result in case_results(two_ranks, "no_sync_workaround"):
         theirs, ours = result["theirs"], result["ours"]
         assert len(ours["grads"]) == 2
         for step, (a, b) in enumerate(zip(theirs["grads"], ours["grads"], strict=True)):
@@ -137,7 +131,7 @@ def test_eager_no_sync_then_compiled_last_microbatch_gives_fsdp2_gradients(two_r
 @pytest.mark.gloo
 def test_llama_sharding_adds_no_graph_break_and_trains_like_fsdp2(two_ranks):
     pytest.importorskip("transformers")
-    for result in _case(two_ranks, "llama"):
+    for result in case_results(two_ranks, "llama"):
         assert result["sharded_breaks"] == result["unsharded_breaks"]
         _assert_close(result["theirs"]["losses"], result["ours"]["losses"], "losses")
         _assert_close(result["theirs"]["params"], result["ours"]["params"], "parameters")

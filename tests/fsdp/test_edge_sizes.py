@@ -29,7 +29,12 @@ import fsdp_traceable
 from fsdp_traceable import foreach_reduce, gradient_divide_schedule, make_shard_info
 from fsdp_traceable.collectives import comm
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp.feature_cases import assert_bitwise, run_cases, seeded_transformer
+from tests.fsdp.feature_cases import (
+    assert_bitwise,
+    case_results,
+    run_cases,
+    seeded_transformer,
+)
 from tests.fsdp.parity_utils import full_params, make_optimizer, shard_copies
 
 DIM, STEPS = 8, 3
@@ -166,16 +171,10 @@ def four_ranks() -> list[dict]:
     return run_on_local_ranks(run_cases, 4, cases, timeout_s=60)
 
 
-def _case(results: list[dict], name: str) -> list[dict]:
-    for rank, result in enumerate(results):
-        if "error" in result[name]:
-            pytest.fail(f"{name} raised on rank {rank}:\n{result[name]['error']}")
-    return [result[name] for result in results]
-
 
 @pytest.mark.gloo
 def test_parameters_smaller_than_the_world_train_like_fsdp2(four_ranks):
-    for rank, result in enumerate(_case(four_ranks, "edge")):
+    for rank, result in enumerate(case_results(four_ranks, "edge")):
         for name, (theirs, ours) in zip(result["names"], result["local_shapes"]):
             assert ours == theirs, f"rank {rank} {name}: local shard {ours} vs FSDP2 {theirs}"
         assert result["ours"]["losses"] == result["theirs"]["losses"]
@@ -190,7 +189,7 @@ def test_parameters_smaller_than_the_world_train_like_fsdp2(four_ranks):
 
 @pytest.mark.gloo
 def test_zero_size_parameters_change_nothing_and_match_unsharded(four_ranks):
-    for result in _case(four_ranks, "edge"):
+    for result in case_results(four_ranks, "edge"):
         names = result["names_with_empties"]
         shapes = dict(zip(names, result["local_shapes_with_empties"]))
         assert shapes["blocks.1.empty_cols"] == (0, 0) and shapes["blocks.1.empty"] == (0,)
@@ -208,7 +207,7 @@ def test_zero_size_parameters_change_nothing_and_match_unsharded(four_ranks):
 
 @pytest.mark.gloo
 def test_root_without_own_parameters_trains_like_fsdp2(four_ranks):
-    for result in _case(four_ranks, "empty_root"):
+    for result in case_results(four_ranks, "empty_root"):
         assert_bitwise(result["theirs"], result["ours"], "parameters")
 
 

@@ -19,7 +19,7 @@ from fsdp_traceable import fully_shard
 from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import parity_cases
-from tests.fsdp.feature_cases import assert_bitwise, run_cases
+from tests.fsdp.feature_cases import assert_bitwise, case_results, run_cases
 
 EAGER_CASES = ("module_list_group", "root_reshard_true", "cpu_offload", "ignored_params",
                "float64_params", "shard_placement_result")
@@ -35,12 +35,6 @@ def ranks(request) -> list[dict[str, Any]]:
     return run_on_local_ranks(run_cases, request.param, cases, timeout_s=600)
 
 
-def _case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    for rank, result in enumerate(results):
-        if "error" in result[name]:
-            pytest.fail(f"case {name!r} raised on rank {rank}:\n{result[name]['error']}")
-    return [r[name] for r in results]
-
 
 def _assert_close(theirs: list, ours: list, what: str, atol: float) -> None:
     for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
@@ -53,7 +47,7 @@ def _assert_close(theirs: list, ours: list, what: str, atol: float) -> None:
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", EAGER_CASES)
 def test_eager_matches_fsdp2_bitwise(ranks, name: str):
-    for result in _case(ranks, f"{name}_eager"):
+    for result in case_results(ranks, f"{name}_eager"):
         theirs, ours = result["theirs"], result["ours"]
         assert ours["losses"] == theirs["losses"]
         assert_bitwise(theirs["grads"], ours["grads"], "first-step local gradients")
@@ -72,7 +66,7 @@ def test_eager_matches_fsdp2_bitwise(ranks, name: str):
 def test_compiled_autograd_within_1e5_of_fsdp2(ranks, name: str):
     if len(ranks) != 2:
         pytest.skip("compiled cases run on 2 ranks")
-    for result in _case(ranks, f"{name}_compile-ca"):
+    for result in case_results(ranks, f"{name}_compile-ca"):
         theirs, ours = result["theirs"], result["ours"]
         _assert_close(theirs["losses"], ours["losses"], "losses", 1e-5)
         _assert_close(theirs["params"], ours["params"], "parameters", 1e-5)

@@ -21,7 +21,12 @@ from torch.distributed.tensor import Replicate, Shard
 from fsdp_traceable import FSDPModule, fully_shard
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import checkpoint_cases, feature_cases
-from tests.fsdp.feature_cases import N_GROUPS, assert_bitwise, assert_same_training
+from tests.fsdp.feature_cases import (
+    N_GROUPS,
+    assert_bitwise,
+    assert_same_training,
+    case_results,
+)
 
 
 def _two_rank_cases(directory: str) -> list[tuple[str, Callable, tuple]]:
@@ -48,25 +53,17 @@ def two_ranks(tmp_path_factory) -> list[dict[str, Any]]:
     return run_on_local_ranks(feature_cases.run_cases, 2, _two_rank_cases(directory))
 
 
-def _case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    """The per-rank results of one case; fails with the rank's traceback if it raised."""
-    per_rank = [r[name] for r in results]
-    for rank, result in enumerate(per_rank):
-        if "error" in result:
-            pytest.fail(f"case {name!r} raised on rank {rank}:\n{result['error']}")
-    return per_rank
-
 
 @pytest.mark.gloo
 def test_gradient_accumulation_over_microbatches_matches_fsdp2(two_ranks):
-    for result in _case(two_ranks, "grad_accumulation"):
+    for result in case_results(two_ranks, "grad_accumulation"):
         assert_same_training(result["theirs"], result["ours"])
 
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_no_gradient_sync_until_last_microbatch_matches_fsdp2(two_ranks, precision: str):
-    for result in _case(two_ranks, f"no_sync_{precision}"):
+    for result in case_results(two_ranks, f"no_sync_{precision}"):
         assert_same_training(result["theirs"], result["ours"])
         # Only the last microbatch of each of the 2 steps reduce-scatters, once per group.
         assert result["reduce_scatters"] == 2 * N_GROUPS
@@ -77,7 +74,7 @@ def test_no_gradient_sync_until_last_microbatch_matches_fsdp2(two_ranks, precisi
 @pytest.mark.slow
 def test_hsdp_2x2_matches_fsdp2_hsdp():
     results = run_on_local_ranks(feature_cases.run_cases, 4, [("hsdp", feature_cases.hsdp, ())])
-    for result in _case(results, "hsdp"):
+    for result in case_results(results, "hsdp"):
         assert_same_training(result["theirs"], result["ours"])
         for theirs_placements, ours_placements, theirs_local, ours_local in result["placements"]:
             assert ours_placements == theirs_placements
@@ -87,7 +84,7 @@ def test_hsdp_2x2_matches_fsdp2_hsdp():
 
 @pytest.mark.gloo
 def test_frozen_params_get_no_grad_stay_unchanged_rest_matches_fsdp2(two_ranks):
-    for result in _case(two_ranks, "frozen"):
+    for result in case_results(two_ranks, "frozen"):
         assert_same_training(result["theirs"], result["ours"])
         mask = result["frozen_mask"]
         assert any(mask) and not all(mask)
@@ -106,7 +103,7 @@ def test_frozen_params_get_no_grad_stay_unchanged_rest_matches_fsdp2(two_ranks):
 
 @pytest.mark.gloo
 def test_unused_params_keep_no_grad_and_match_fsdp2(two_ranks):
-    for result in _case(two_ranks, "unused"):
+    for result in case_results(two_ranks, "unused"):
         assert sum(result["unused_mask"]) == 3
         for unused, grad in zip(result["unused_mask"], result["ours"]["grads"]):
             assert (grad is None) == unused
@@ -114,7 +111,7 @@ def test_unused_params_keep_no_grad_and_match_fsdp2(two_ranks):
 
 
 def test_buffers_untouched_by_sharding_and_used_in_forward(two_ranks):
-    for result in _case(two_ranks, "buffers"):
+    for result in case_results(two_ranks, "buffers"):
         assert_same_training(result["theirs"], result["ours"])
         assert result["names"]["ours"] == result["names"]["theirs"]
         assert result["state_dict_keys"]["ours"] == result["state_dict_keys"]["theirs"]
@@ -129,7 +126,7 @@ def test_buffers_untouched_by_sharding_and_used_in_forward(two_ranks):
 
 @pytest.mark.gloo
 def test_reshard_after_forward_none_true_false_match_fsdp2_with_its_all_gathers(two_ranks):
-    for result in _case(two_ranks, "reshard_modes"):
+    for result in case_results(two_ranks, "reshard_modes"):
         for reshard in (None, True, False):
             assert_same_training(result[f"theirs_reshard_{reshard}"],
                                  result[f"ours_reshard_{reshard}"])
@@ -145,7 +142,7 @@ def test_reshard_after_forward_none_true_false_match_fsdp2_with_its_all_gathers(
 
 @pytest.mark.gloo
 def test_unshard_reshard_and_reshard_after_backward_match_fsdp2(two_ranks):
-    for result in _case(two_ranks, "unshard"):
+    for result in case_results(two_ranks, "unshard"):
         assert_bitwise(result["theirs"]["params"], result["ours"]["params"], "parameters")
         # After unshard() of every group, forward gathers nothing; the blocks reshard
         # after that forward and gather again in backward, as under FSDP2.
@@ -161,14 +158,14 @@ def test_unshard_reshard_and_reshard_after_backward_match_fsdp2(two_ranks):
 
 @pytest.mark.gloo
 def test_tied_weights_in_one_group_match_fsdp2(two_ranks):
-    for result in _case(two_ranks, "tied_in_one_group"):
+    for result in case_results(two_ranks, "tied_in_one_group"):
         assert result["tied"] == {"theirs": True, "ours": True}
         assert_same_training(result["theirs"], result["ours"])
 
 
 @pytest.mark.gloo
 def test_weight_shared_by_two_groups_raises_at_fully_shard(two_ranks):
-    for result in _case(two_ranks, "tied_across_groups"):
+    for result in case_results(two_ranks, "tied_across_groups"):
         assert "'tok_embeddings.weight'" in result["root"]
         assert "'weight'" in result["embedding"]
         assert all("common ancestor" in message for message in result.values())
@@ -178,13 +175,13 @@ def test_weight_shared_by_two_groups_raises_at_fully_shard(two_ranks):
 def test_group_not_regathered_in_backward_matches_fsdp2(two_ranks):
     # The embedding's backward needs no weight, so the backward prefetch of its group
     # is never used; the next forward must gather the stepped weights, not use it.
-    for result in _case(two_ranks, "embedding_own_group"):
+    for result in case_results(two_ranks, "embedding_own_group"):
         assert_same_training(result["theirs"], result["ours"])
 
 
 @pytest.mark.gloo
 def test_state_dict_layout_matches_fsdp2_and_round_trips(two_ranks):
-    for result in _case(two_ranks, "state_dict"):
+    for result in case_results(two_ranks, "state_dict"):
         assert result["layout_ours"] == result["layout_theirs"]
         assert all(kind == "DTensor" for kind, *_ in result["layout_ours"].values())
         assert not all(torch.equal(a, b)
@@ -196,7 +193,7 @@ def test_state_dict_layout_matches_fsdp2_and_round_trips(two_ranks):
 
 @pytest.mark.gloo
 def test_dcp_checkpoint_loads_across_libraries_bitwise(two_ranks):
-    for result in _case(two_ranks, "dcp"):
+    for result in case_results(two_ranks, "dcp"):
         for direction in ("theirs_loads_ours", "ours_loads_theirs"):
             source_params, loaded_params = result[direction]["params"]
             assert_bitwise(source_params, loaded_params, f"{direction} parameters")

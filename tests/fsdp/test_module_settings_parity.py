@@ -10,7 +10,7 @@ import pytest
 
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import settings_cases
-from tests.fsdp.feature_cases import assert_bitwise, run_cases
+from tests.fsdp.feature_cases import assert_bitwise, case_results, run_cases
 
 TWO_RANK_CASES = [
     ("divide_shard_size", settings_cases.divide_factor, ("shard_size",)),
@@ -39,12 +39,6 @@ def four_ranks() -> list[dict[str, Any]]:
     return run_on_local_ranks(run_cases, 4, FOUR_RANK_CASES, timeout_s=600)
 
 
-def _case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    for rank, result in enumerate(results):
-        if "error" in result[name]:
-            pytest.fail(f"case {name!r} raised on rank {rank}:\n{result[name]['error']}")
-    return [r[name] for r in results]
-
 
 def _assert_same_training(result: dict[str, Any]) -> None:
     theirs, ours = result["theirs"], result["ours"]
@@ -58,26 +52,26 @@ def _assert_same_training(result: dict[str, Any]) -> None:
                                   "unused_reduced", "all_reduce_hook", "explicit_prefetch",
                                   "unshard_in_backward", "custom_comms"])
 def test_two_ranks_train_like_fsdp2(two_ranks, name: str) -> None:
-    for result in _case(two_ranks, name):
+    for result in case_results(two_ranks, name):
         _assert_same_training(result)
 
 
 @pytest.mark.gloo
 def test_settings_have_their_effect(two_ranks) -> None:
-    for result in _case(two_ranks, "unused_reduced"):
+    for result in case_results(two_ranks, "unused_reduced"):
         # the unused layer's weight and bias: zero gradients, not None
         assert [g is None for g in result["ours"]["grads"][-2:]] == [False, False]
         assert all(not g.any() for g in result["ours"]["grads"][-2:])
-    for result in _case(two_ranks, "all_reduce_hook"):
+    for result in case_results(two_ranks, "all_reduce_hook"):
         assert result["calls"]["ours"] == result["calls"]["theirs"] > 0
-    for result in _case(two_ranks, "explicit_prefetch"):
+    for result in case_results(two_ranks, "explicit_prefetch"):
         # inside block 0's forward, blocks 1 and 2 are in flight, block 3 is not
         assert result["in_flight"] == [[True, True, False]] * 2
         assert result["ours"]["reduce_scatters"] == result["theirs"]["reduce_scatters"]
-    for result in _case(two_ranks, "unshard_in_backward"):
+    for result in case_results(two_ranks, "unshard_in_backward"):
         assert result["ours"]["all_gathers"] == result["theirs"]["all_gathers"]
         assert "set_unshard_in_backward(False)" in result["block_error"]
-    for result in _case(two_ranks, "custom_comms"):
+    for result in case_results(two_ranks, "custom_comms"):
         counts = result["ours"]["counts"]
         # every all-gather of ours went through the custom comm (and FSDP2's too)
         assert counts["all_gather_calls"] == counts["c10d_all_gathers"] > 0
@@ -85,7 +79,7 @@ def test_settings_have_their_effect(two_ranks) -> None:
         # FSDP2 allocates input and output per reduce-scatter, as ours does
         assert counts["reduce_scatter_calls"] == result["theirs"]["counts"]["reduce_scatter_calls"]
         assert counts["reduce_scatter_allocations"] == 2 * counts["reduce_scatter_calls"]
-    for result in _case(two_ranks, "deprecated_divide"):
+    for result in case_results(two_ranks, "deprecated_divide"):
         assert result["warnings"]["ours"] == result["warnings"]["theirs"] == ["DeprecationWarning"]
         assert result["factor"] == 2.0
 
@@ -93,12 +87,12 @@ def test_settings_have_their_effect(two_ranks) -> None:
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", ["hsdp_skip_all_reduce", "hsdp_all_reduce_hook"])
 def test_hsdp_trains_like_fsdp2(four_ranks, name: str) -> None:
-    for result in _case(four_ranks, name):
+    for result in case_results(four_ranks, name):
         _assert_same_training(result)
     if name == "hsdp_skip_all_reduce":
-        for result in _case(four_ranks, name):
+        for result in case_results(four_ranks, name):
             # 3 groups x 2 steps, once per step (the first microbatch skips it)
             assert result["ours"]["all_reduces"] == result["theirs"]["all_reduces"] == 6
     if name == "hsdp_all_reduce_hook":
-        for result in _case(four_ranks, name):
+        for result in case_results(four_ranks, name):
             assert result["calls"]["ours"] == result["calls"]["theirs"] > 0
