@@ -57,20 +57,20 @@ class CopyBackend:
 
 
 def _aten_copy_out(output, world_size, global_sizes_flat, ndims, shard_dims, dtypes):
-    return torch.ops.fsdp_traceable.all_gather_copy_out(
-        output, world_size, list(global_sizes_flat), list(ndims), list(shard_dims), list(dtypes))
+    return aten_ops.call("all_gather_copy_out", output, world_size, list(global_sizes_flat),
+                         list(ndims), list(shard_dims), list(dtypes))
 
 
 ATEN = CopyBackend(
     name="inductor",
     serves=lambda tensors: True,
-    all_gather_copy_in=lambda shards, padded_numels, dtype: (
-        torch.ops.fsdp_traceable.all_gather_copy_in(list(shards), list(padded_numels), dtype)),
+    all_gather_copy_in=lambda shards, padded_numels, dtype: aten_ops.call(
+        "all_gather_copy_in", list(shards), list(padded_numels), dtype),
     all_gather_copy_in_into=aten_ops.all_gather_copy_in_into,
     all_gather_copy_out=_aten_copy_out,
     reduce_scatter_copy_in=lambda grads, world_size, shard_dims, reduce_dtype, predivide: (
-        torch.ops.fsdp_traceable.reduce_scatter_copy_in(
-            list(grads), world_size, list(shard_dims), reduce_dtype, predivide)),
+        aten_ops.call("reduce_scatter_copy_in", list(grads), world_size, list(shard_dims),
+                      reduce_dtype, predivide)),
 )
 
 FOREACH = CopyBackend(

@@ -20,7 +20,7 @@ except ImportError:
     _from_local_no_grad = None
 
 from ..sizes import flatten_sizes
-from . import comm, copy_backends
+from . import comm, copy_backends, ops
 from .divide_factors import ReduceSchedule, gradient_divide_schedule
 from .shard_info import ShardInfo
 from .validation import (
@@ -205,9 +205,10 @@ def finish_foreach_reduce(pending: PendingReduce) -> ReduceResult:
         pending.all_reduce_hook(reduce_output)
 
     sizes_flat, ndims = flatten_sizes([info.sharded_size for info in infos])
-    sharded_grads = torch.ops.fsdp_traceable.reduce_scatter_view_out(
-        reduce_output, sizes_flat, ndims, [i.padded_sharded_numel for i in infos],
-        pending.orig_dtype, _nontrivial(schedule.postdivide_factor),
+    sharded_grads = ops.call(
+        "reduce_scatter_view_out", reduce_output, sizes_flat, ndims,
+        [i.padded_sharded_numel for i in infos], pending.orig_dtype,
+        _nontrivial(schedule.postdivide_factor),
     )
     sharded_grads = [
         grad.to("cpu") if info.offload_to_cpu else grad for grad, info in zip(sharded_grads, infos)

@@ -25,45 +25,54 @@ from .param_group import ParamGroup
 torch._dynamo.eval_frame.skip_code(DTensor.__tensor_unflatten__.__code__)
 
 
-class LocalShard(torch.autograd.Function):
-    """``DTensor.to_local`` for the eager path, with a backward compiled autograd traces.
+class LocalShards(torch.autograd.Function):
+    """``DTensor.to_local`` of a group's parameters for the eager path, in one autograd
+    node, with a backward compiled autograd traces.
 
     Parameters unsharded eagerly (``FSDPModule.unshard()``, or an eager forward) can
     have their backward captured by compiled autograd; Dynamo cannot trace
     ``to_local``'s own backward (it calls a C++ stride helper), but traces
-    ``DTensor.from_local`` with the parameter's shape and stride given. It is also
-    cheaper than ``to_local`` on the host.
+    ``DTensor.from_local`` with the parameter's shape and stride given. One node per
+    group, not per parameter, is also what keeps the eager host cost per group low.
     """
 
     @staticmethod
-    def forward(ctx, param: DTensor) -> torch.Tensor:
-        ctx.spec = param._spec
+    def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
+        ctx.specs = [param._spec for param in params]
         # An eager backward sends no gradient here (the reduction writes .grad): it
         # must reach AccumulateGrad as none, not as zeros.
         ctx.set_materialize_grads(False)
-        local = param._local_tensor
-        return local.view_as(local)  # a fresh tensor object for autograd to annotate
+        # Fresh tensor objects for autograd to annotate.
+        locals_ = tuple(param._local_tensor.view_as(param._local_tensor) for param in params)
+        frozen = [local for local, param in zip(locals_, params) if not param.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return locals_
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor | None) -> DTensor | None:
-        if grad is None:
-            return None
-        spec = ctx.spec
-        if grad.device.type == spec.mesh.device_type:
-            return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
-                                      shape=spec.shape, stride=spec.stride)
-        # CPU offload on a GPU mesh: the gradient stays on the host, where from_local
-        # would move it to the mesh's device; wrapped as to_local's backward does.
-        meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
-        return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
-                       requires_grad=grad.requires_grad)
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        return tuple(
+            None if grad is None else _sharded_grad(grad, spec)
+            for grad, spec in zip(grads, ctx.specs)
+        )
+
+
+def _sharded_grad(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    if grad.device.type == spec.mesh.device_type:
+        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
+                                  shape=spec.shape, stride=spec.stride)
+    # CPU offload on a GPU mesh: the gradient stays on the host, where from_local
+    # would move it to the mesh's device; wrapped as to_local's backward does.
+    meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
+    return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+                   requires_grad=grad.requires_grad)
 
 
 class UnshardParams(torch.autograd.Function):
     """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
 
     Inputs are the group's sharded local tensors (from ``DTensor.to_local`` traced,
-    :class:`LocalShard` eager), then the unsharded gradients that eager no-sync
+    :class:`LocalShards` eager), then the unsharded gradients that eager no-sync
     microbatches accumulated (by parameter index ``accumulated_indices``), which
     backward adds before reducing; outputs the unsharded parameters. A traced backward
     returns the sharded gradients, which autograd accumulates into the parameters'
@@ -120,6 +129,19 @@ def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
     return params
 
 
+def _eager_locals(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    nonempty = [i for i, p in enumerate(params) if p.numel()]
+    # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
+    # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
+    # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
+    if len(nonempty) == len(params):
+        return list(LocalShards.apply(*params))
+    locals_ = [p.to_local().detach() for p in params]
+    for i, local in zip(nonempty, LocalShards.apply(*(params[i] for i in nonempty))):
+        locals_[i] = local
+    return locals_
+
+
 def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
     """The group's unsharded parameters, connected to autograd.
 
@@ -142,13 +164,11 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
     # Not ``group.sharded_params`` when traced: testing that list makes Dynamo reach its
     # first parameter through it, not through its module (see _module_params).
     params = _module_params(group) if traced else group.sharded_params
-    # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
-    # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
-    # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
-    sharded_locals = [
-        (p.to_local() if traced else LocalShard.apply(p)) if p.numel() else p.to_local().detach()
-        for p in params
-    ]
+    # A zero-size parameter gets no gradient (see _eager_locals).
+    if traced:
+        sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]
+    else:
+        sharded_locals = _eager_locals(params)
     accumulated: dict[int, torch.Tensor] = {}
     if traced and torch.is_grad_enabled():
         # Gradients of eager no-sync microbatches join this compiled backward as inputs:

@@ -30,10 +30,13 @@ class _SavedUnshardedView(NamedTuple):
     storage_offset: int
 
 
+# A wrapper subclass (an all-gather extension's unsharded parameter) has no storage of
+# its own to match: autograd saves it as it is.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _has_own_storage(tensor: torch.Tensor) -> bool:
-    # A wrapper subclass (an all-gather extension's unsharded parameter) has no storage
-    # of its own to match: autograd saves it as it is.
-    return tensor.numel() > 0 and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+    return tensor.numel() > 0 and type(tensor) in _PLAIN
 
 
 def register(group: ParamGroup, unsharded: list[torch.Tensor]) -> None:
@@ -49,10 +52,11 @@ def unregister(unsharded: list[torch.Tensor]) -> None:
 
 
 def _pack(tensor: torch.Tensor) -> object:
-    if not _live_unsharded or tensor.layout != torch.strided or tensor.numel() == 0:
+    # Runs for every tensor autograd saves: the common miss costs one storage lookup.
+    if type(tensor) not in _PLAIN or tensor.layout != torch.strided:
         return tensor
     entry = _live_unsharded.get(tensor.untyped_storage().data_ptr())
-    if entry is None or entry[2] != tensor.dtype:
+    if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
         return tensor
     group, index, _ = entry
     return _SavedUnshardedView(
