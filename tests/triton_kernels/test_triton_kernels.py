@@ -345,6 +345,8 @@ def test_inductor_calls_each_op_once_with_the_eager_bits():
     copy is one call of its op in the output code, with the eager bits."""
     from torch._inductor.utils import run_and_get_code
 
+    from fsdp_traceable.inspect.inductor_code import schedule
+
     params = bucket(2)
     fulls = full_tensors(params, [F32] * len(params))
     shards, padded = rank_shards(params, fulls, 2, 1)
@@ -360,8 +362,9 @@ def test_inductor_calls_each_op_once_with_the_eager_bits():
     torch._dynamo.reset()
     compiled, (code,) = run_and_get_code(torch.compile(copies, fullgraph=True), shards, output, fulls)
     torch._dynamo.reset()
-    statements = [line for line in code.splitlines() if not line.lstrip().startswith("#")]
-    for op in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in"):
-        assert sum(f"fsdp_traceable_triton.{op}.default(" in line for line in statements) == 1, code
+    assert sorted((launch.kind, launch.name) for launch in schedule(code)) == [
+        ("extern", f"torch.ops.fsdp_traceable_triton.{op}.default")
+        for op in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in")
+    ], code
     for got, want in zip(compiled, copies(shards, output, fulls), strict=True):
         assert_same_bits(got, want, nan_payloads=True)
