@@ -1,19 +1,25 @@
 """Bandwidth and bitwise check of the copy kernels on one GPU (no collectives).
 
-For buckets of 9, 100 and 1000 parameters sharded over a simulated world (rank 0's
-view), every implementation of the three copies
+For buckets of 9 (a d=4096 transformer block, >= 64 MB per copy), 100 (>= 64 MB per
+copy) and 1000 parameters sharded over a simulated world (rank 0's view), every
+implementation of the three copies
 
 * ``aten``: the ``torch.ops.fsdp_traceable`` op run eagerly (``torch.cat`` etc.),
 * ``foreach``: ``fsdp_traceable.collectives.foreach_copies`` (``torch._foreach_copy_``, ...),
 * ``inductor``: ``torch.compile`` of the aten op (Inductor's generated code),
-* ``triton``: the ``fsdp_traceable_triton`` op run eagerly (table-driven kernel),
-* ``triton_generated``: the per-bucket generated kernel (the traced path's) run eagerly,
-* ``triton_compiled``: ``torch.compile`` of the ``fsdp_traceable_triton`` op
+* ``triton_tiles``: the ``triton_kernels`` tile kernels run eagerly,
+* ``triton_tiles_compiled``: ``torch.compile`` of the same (one opaque op per copy)
 
 is first compared bit for bit with ``aten`` (NaN payloads excepted), then timed:
 kernel time from CUDA-graph replay (``triton.testing.do_bench_cudagraph``, no launch
-overhead) gives the achieved bandwidth, and eager time per call
-(``triton.testing.do_bench``, launch overhead included) is shown next to it.
+overhead) gives the achieved bandwidth, eager time per call
+(``triton.testing.do_bench``, launch overhead included) is shown next to it, and so
+is the host time per call (calls queued without synchronising, so the GPU does not
+hold the host back). The first call of each implementation is timed too: for
+``triton_tiles`` it includes compiling the kernel (run ``gpu_check.sh``, which points
+Triton and Inductor at empty caches), for the compiled ones the whole
+``torch.compile``. The 1000-parameter bucket runs first, so its first call is the one
+that compiles the tile kernel.
 
 Bytes counted per call: copy-in reads every shard and writes the padded flat input;
 copy-out reads and writes every unsharded element (padding is neither); the
@@ -49,17 +55,19 @@ from fsdp_traceable.sizes import flatten_sizes
 # Peak HBM bandwidth by device name (bytes/s); H200 is the default.
 PEAKS = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 DEFAULT_PEAK = PEAKS["H200"]
-IMPLS = ("aten", "foreach", "inductor", "triton", "triton_generated", "triton_compiled")
+IMPLS = ("aten", "foreach", "inductor", "triton_tiles", "triton_tiles_compiled")
+COMPILED = ("inductor", "triton_tiles_compiled")
+HOST_CALLS = 20
 OPS = ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in")
 
 
 def make_bucket(num_params: int, seed: int = 0, scale: int = 1) -> list[tuple[tuple[int, ...], int]]:
-    """``(global_size, shard_dim)`` per parameter: a transformer block (9), a mix of
-    uneven matrices with some ``Shard(1)`` (100), or many small tensors (1000);
+    """``(global_size, shard_dim)`` per parameter: a d=4096 transformer block (9), a
+    mix of uneven matrices with some ``Shard(1)`` (100), or many small tensors (1000);
     ``scale`` divides the block's dims (for the CPU check of ``--dry-run``)."""
     if num_params == 9:
         # hidden is not divisible by 8: dim-0 padding
-        d, hidden, kv = 2048 // scale, 5462 // scale, 512 // scale
+        d, hidden, kv = 4096 // scale, 10923 // scale, 1024 // scale
         return [((d,), 0), ((d, d), 0), ((kv, d), 0), ((kv, d), 0), ((d, d), 0),
                 ((d,), 0), ((hidden, d), 0), ((d, hidden), 0), ((hidden, d), 0)]
     rng = random.Random(seed)
@@ -128,24 +136,17 @@ class Case:
             compiled = torch.compile(lambda: aten(*args))
             return lambda: _as_list(compiled())
         import triton_kernels
-        import triton_kernels.launch as launch
 
-        triton_op = getattr(torch.ops.fsdp_traceable_triton, op)
         targs = args[:-1] + ([2] * len(self.params),) if op == "all_gather_copy_out" else args
 
         def run():
-            out = triton_op(*targs)
+            out = getattr(triton_kernels, op)(*targs)
             if op == "all_gather_copy_out":
                 return triton_kernels.unsharded_views(out, self.sizes_flat, self.ndims, dtypes)
             return [out]
 
-        if impl == "triton":
+        if impl == "triton_tiles":
             return run
-        if impl == "triton_generated":
-            def generated():
-                with launch.generated_kernels_in_eager():
-                    return run()
-            return generated
         compiled = torch.compile(run)
         return lambda: _as_list(compiled())
 
@@ -174,7 +175,14 @@ def measure(case: Case, op: str, impl: str, peak: float) -> dict:
     try:
         fn = case.call(op, impl)
         reference = case.call(op, "aten")()
-        result["bitwise_equal"] = same_bits(fn(), reference)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = fn()
+        torch.cuda.synchronize()
+        result["first_call_s"] = time.perf_counter() - start
+        result["bitwise_equal"] = same_bits(outputs, reference)
+        del outputs, reference
+        result["host_us"] = host_us(fn)
         result["eager_us"] = do_bench(fn, return_mode="median") * 1e3
         try:
             result["kernel_us"] = do_bench_cudagraph(fn, return_mode="median") * 1e3
@@ -188,6 +196,19 @@ def measure(case: Case, op: str, impl: str, peak: float) -> dict:
     return result
 
 
+def host_us(fn: Callable[[], list[torch.Tensor]]) -> float:
+    """Host time per call: :data:`HOST_CALLS` calls queued back to back, timed before
+    the synchronisation that waits for their kernels."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / HOST_CALLS * 1e6
+
+
 def peak_bandwidth(requested: float | None, device_name: str) -> tuple[float, str]:
     if requested is not None:
         return requested, "--peak-bandwidth"
@@ -197,19 +218,29 @@ def peak_bandwidth(requested: float | None, device_name: str) -> tuple[float, st
     return DEFAULT_PEAK, "H200 default; pass --peak-bandwidth for this device"
 
 
-def markdown(results: list[dict], buckets: list[int]) -> str:
-    lines = ["| op | params | " + " | ".join(IMPLS) + " |", "|---" * (len(IMPLS) + 2) + "|"]
+def _find(results: list[dict], op: str, n: int, impl: str) -> dict | None:
+    return next((r for r in results if (r["op"], r["params"], r["impl"]) == (op, n, impl)), None)
+
+
+def markdown(results: list[dict], buckets: list[int], cases: dict) -> str:
+    """Two tables: bandwidth and per-call times, then first-call (compile) times."""
+    head = "| op | params | MB | " + " | ".join(IMPLS) + " |"
+    rule = "|---" * (len(IMPLS) + 3) + "|"
+    lines, first = [head, rule], [head, rule]
     for op in OPS:
         for n in buckets:
-            cells = []
-            for impl in IMPLS:
-                r = next((r for r in results if (r["op"], r["params"], r["impl"]) == (op, n, impl)), None)
-                cells.append(_cell(r))
-            lines.append(f"| {op} | {n} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Cell: % of peak bandwidth (kernel time from CUDA-graph replay, µs; eager µs per "
-                 "call); `!=` marks output that is not bitwise equal to aten.")
-    return "\n".join(lines)
+            megabytes = f"{cases[n].bytes(op) / 1e6:.0f}" if n in cases else "?"
+            row = f"| {op} | {n} | {megabytes} | "
+            lines.append(row + " | ".join(_cell(_find(results, op, n, i)) for i in IMPLS) + " |")
+            first.append(row + " | ".join(_first_call(_find(results, op, n, i)) for i in IMPLS) + " |")
+    return "\n".join([
+        *lines, "",
+        "Cell: % of peak bandwidth (kernel µs from CUDA-graph replay; eager µs per call; host "
+        "µs per call); `!=` marks output that is not bitwise equal to aten.", "",
+        "First call, seconds (compiles included: the tile kernel's for the first "
+        "`triton_tiles` bucket, `torch.compile` for the compiled columns):", "",
+        *first,
+    ])
 
 
 def _cell(r: dict | None) -> str:
@@ -221,39 +252,46 @@ def _cell(r: dict | None) -> str:
         return "error"
     flag = "" if r.get("bitwise_equal") else "!= "
     kernel = f"{r['kernel_us']:.0f}" if "kernel_us" in r else "n/a"
-    return f"{flag}{100 * r['fraction_of_peak']:.0f}% ({kernel}; {r['eager_us']:.0f})"
+    return (f"{flag}{100 * r['fraction_of_peak']:.0f}% ({kernel}; {r['eager_us']:.0f}; "
+            f"{r['host_us']:.0f})")
 
 
-def dry_run(args, buckets: list[int]) -> list[dict]:
-    """CPU-only: builds every bucket, its three layouts and the generated kernels, and
-    checks the eager implementations bit for bit on a small 9-parameter bucket (the
-    Triton kernels in the interpreter)."""
-    from triton_kernels import codegen, layout
+def _first_call(r: dict | None) -> str:
+    return f"{r['first_call_s']:.2f}" if r and "first_call_s" in r else "-"
+
+
+def dry_run(args, buckets: list[int]) -> tuple[list[dict], dict]:
+    """CPU-only: builds every bucket and the layouts and tile tables of its three
+    copies, and checks the eager implementations bit for bit on a small 9-parameter
+    bucket (the Triton kernels in the interpreter)."""
+    from triton_kernels import layout
 
     small = Case(make_bucket(9, scale=32), args.world_size, "cpu")
     results = []
     for op in OPS:
         reference = small.call(op, "aten")()
-        for impl in ("foreach", "triton", "triton_generated"):
+        for impl in ("foreach", "triton_tiles"):
             results.append({"op": op, "params": 9, "impl": impl, "scale": 32,
                             "bitwise_equal": same_bits(small.call(op, impl)(), reference),
                             "skipped": "dry run: unmeasured"})
+    cases = {}
     for n in buckets:
-        case = Case(make_bucket(n), args.world_size, "cpu", materialize=False)
+        case = cases[n] = Case(make_bucket(n), args.world_size, "cpu", materialize=False)
         kinds = (0,) * n
         numels = tuple(math.prod(s) for s in case.sharded_sizes)
-        gather = layout.gather_layout(numels, tuple(case.padded), kinds)
         sizes = tuple(s for s, _ in case.params)
+        start = time.perf_counter()
+        gather = layout.gather_layout(numels, tuple(case.padded), kinds)
         chunks = layout.chunk_layout(sizes, tuple(case.dims), args.world_size, kinds)
+        out = layout.chunk_layout(sizes, tuple(case.dims), args.world_size, (3,) * n, out_align=8)
+        tables = [gather.pack_tiles, chunks.pack_tiles, out.unpack_tiles]
+        build_s = time.perf_counter() - start
         assert gather.row_numel == chunks.row_numel == case.row_numel
-        codegen.pack_kernel(gather, n, False, interpret=False)
-        codegen.pack_kernel(chunks, n, False, interpret=False)
-        codegen.unpack_kernel(layout.chunk_layout(sizes, tuple(case.dims), args.world_size,
-                                                  (3,) * n, out_align=8), interpret=False)
         for op in OPS:
             results.append({"op": op, "params": n, "impl": "-", "bytes": case.bytes(op),
-                            "blocks": chunks.num_blocks, "skipped": "dry run: unmeasured"})
-    return results
+                            "tiles": [len(t) // 2 for t in tables], "layout_build_s": build_s,
+                            "skipped": "dry run: unmeasured"})
+    return results, cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.dry_run:
         device_name, (peak, source) = "none (dry run)", peak_bandwidth(args.peak_bandwidth, "")
-        results = dry_run(args, buckets)
+        results, cases = dry_run(args, buckets)
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA device; use --dry-run on CPU")
@@ -280,9 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         start = time.monotonic()
         cases = {n: Case(make_bucket(n), args.world_size, "cuda") for n in buckets}
-        # Eager implementations first (fast); compiled ones last (compile time).
-        order = [(impl, n) for impl in IMPLS if "inductor" not in impl and "compiled" not in impl
-                 for n in buckets] + [(impl, n) for n in buckets for impl in ("inductor", "triton_compiled")]
+        # Eager implementations first (fast), largest bucket count first (its first call
+        # compiles the tile kernel); compiled ones last (compile time), the tile op first.
+        order = [(impl, n) for impl in IMPLS if impl not in COMPILED
+                 for n in sorted(buckets, reverse=True)]
+        order += [(impl, n) for n in buckets for impl in reversed(COMPILED)]
         for impl, n in order:
             for op in OPS:
                 if time.monotonic() - start > args.time_budget:
@@ -292,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.monotonic() - start:6.1f}s] {op} {n} {impl}: {_cell(results[-1])}", flush=True)
     print(f"device: {device_name}; world size {args.world_size} (simulated, rank 0); "
           f"peak bandwidth {peak:.3g} B/s ({source})")
-    print(markdown(results, buckets))
+    print(markdown(results, buckets, cases))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": device_name, "peak_bandwidth": peak, "peak_source": source,

@@ -14,6 +14,7 @@ OUT=benchmarks/results/gpu
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
+export TRITON_CACHE_DIR="$(mktemp -d)"  # first calls then include compiling the kernels
 status=0
 summary="$OUT/summary.txt"
 {

@@ -1,9 +1,10 @@
 """The one definition of what the copy kernels and their Python side exchange.
 
 The per-parameter metadata row (:class:`ParamRow`: its fields are the columns of the
-int64 ``param_meta`` table, in order), the element kinds of sources and destinations,
-and the pre-divide modes. ``kernels.py``, the generated kernels, the layouts and the
-launches all read these names; nothing repeats a column number or a kind.
+int64 ``param_meta`` table, in order), the per-tile row (:class:`TileRow`: the columns
+of the int32 tile table), the element kinds of sources and destinations, and the
+pre-divide modes. ``kernels.py``, the layouts and the launches all read these names;
+nothing repeats a column number or a kind.
 """
 
 from __future__ import annotations
@@ -22,11 +23,20 @@ class ParamRow(NamedTuple):
     numel: int  # elements of the unsharded tensor (or shard, for the copy-in)
     out_offset: int  # offset of the unsharded tensor in the copy-out buffer
     src_kind: int  # element kind of the parameter's source (a KIND_*)
-    gap: int  # unused elements after the parameter in the copy-out buffer (<= 16)
+
+
+class TileRow(NamedTuple):
+    """The parameters one output tile touches: ``first_param`` and the ``param_count``
+    that follow it (in index order; parameters without elements match no lane)."""
+
+    first_param: int
+    param_count: int
 
 
 PARAM_COLS = len(ParamRow._fields)
 COL = {name: index for index, name in enumerate(ParamRow._fields)}
+TILE_COLS = len(TileRow._fields)
+TILE_COL = {name: index for index, name in enumerate(TileRow._fields)}
 
 # Element kinds: of a source (ParamRow.src_kind) and of a destination (the DST constexpr).
 KIND_F32, KIND_BF16, KIND_F16, KIND_BYTES = 0, 1, 2, 3

@@ -10,9 +10,13 @@ formula covers the all-gather copy-in (``world = 1``), ``Shard(0)`` (one chunk r
 ``chunk_p = size(d) / world * inner`` elements: chunk-cat).
 
 Per-parameter metadata is an int64 ``[P, PARAM_COLS]`` table of
-:class:`triton_kernels.fields.ParamRow` rows; the 1-D grid (times
-``world`` on axis 1) walks a precomputed ``[nblocks, 2]`` int32 table of
-``(param, first element)`` pairs, so a block never spans two parameters.
+:class:`triton_kernels.fields.ParamRow` rows. Work is split by fixed-size tiles of the
+kernel's contiguous OUTPUT, never by parameter: a persistent grid of programs strides
+over the tiles, and an int32 ``[num_tiles, TILE_COLS]`` table of
+:class:`triton_kernels.fields.TileRow` rows names the few parameters each tile
+touches; a tile's lanes look only at those. Values are gathered in registers and
+each tile is written with one store (16-byte vectors where alignment allows), zeros
+where no parameter has data (padding, alignment gaps).
 
 Casts are exact round-to-nearest-even. With ``MANUAL_CASTS`` (the CPU interpreter,
 whose float conversions truncate) they are done on the bits by hand; otherwise the
@@ -40,10 +44,13 @@ CHUNK_NUMEL = tl.constexpr(fields.COL["chunk_numel"])
 NUMEL = tl.constexpr(fields.COL["numel"])
 OUT_OFFSET = tl.constexpr(fields.COL["out_offset"])
 SRC_KIND = tl.constexpr(fields.COL["src_kind"])
-GAP = tl.constexpr(fields.COL["gap"])
+TILE_COLS = tl.constexpr(fields.TILE_COLS)
+FIRST_PARAM = tl.constexpr(fields.TILE_COL["first_param"])
+PARAM_COUNT = tl.constexpr(fields.TILE_COL["param_count"])
 KIND_F32 = tl.constexpr(fields.KIND_F32)
 KIND_BF16 = tl.constexpr(fields.KIND_BF16)
 KIND_F16 = tl.constexpr(fields.KIND_F16)
+KIND_BYTES = tl.constexpr(fields.KIND_BYTES)
 SCALE_DIVIDE = tl.constexpr(fields.SCALE_DIVIDE)
 SCALE_RECIPROCAL = tl.constexpr(fields.SCALE_RECIPROCAL)
 
@@ -51,7 +58,7 @@ SCALE_RECIPROCAL = tl.constexpr(fields.SCALE_RECIPROCAL)
 def chunk_indices(k, rank, seg_numel, chunk_numel, numel, world):
     """For lanes ``k`` of segment ``(rank, param)``: the unsharded index of each lane,
     whether the lane is inside the segment, and whether it holds data (not padding)."""
-    in_segment = k < seg_numel
+    in_segment = (k >= 0) & (k < seg_numel)
     if seg_numel > chunk_numel:
         outer = k // chunk_numel
         rem = k - outer * chunk_numel
@@ -60,26 +67,6 @@ def chunk_indices(k, rank, seg_numel, chunk_numel, numel, world):
         idx = rank * chunk_numel + k
     valid = in_segment & (idx < numel)
     return idx, in_segment, valid
-
-
-@triton.jit
-def segment_indices(block_table, param_meta, world, BLOCK: tl.constexpr):
-    """This program's parameter (from the tables), its metadata and lane indices."""
-    pid = tl.program_id(0)
-    rank = tl.program_id(1)
-    param = tl.load(block_table + 2 * pid)
-    start = tl.load(block_table + 2 * pid + 1)
-    row = param_meta + param.to(tl.int64) * PARAM_COLS
-    col_offset = tl.load(row + COL_OFFSET)
-    seg_numel = tl.load(row + SEG_NUMEL).to(tl.int32)
-    chunk_numel = tl.load(row + CHUNK_NUMEL).to(tl.int32)
-    numel = tl.load(row + NUMEL).to(tl.int32)
-    out_offset = tl.load(row + OUT_OFFSET)
-    kind = tl.load(row + SRC_KIND).to(tl.int32)
-    k = start + tl.arange(0, BLOCK)
-    idx, in_segment, valid = chunk_indices(k, rank, seg_numel, chunk_numel, numel, world)
-    packed = col_offset + k  # column inside the rank's row
-    return param, rank, kind, k, idx, in_segment, valid, packed, out_offset
 
 
 @triton.jit
@@ -197,19 +184,14 @@ def cast_scale_store(out_ptr, x, in_segment, scale, DST: tl.constexpr,
     store_cast(out_ptr, y, in_segment, DST, MANUAL_CASTS)
 
 
+
+
 @triton.jit
-def pack_from_pointer_table(
-    src_addresses, out_ptr, param_meta, block_table, scale, row_numel, world,
-    HAS_F32: tl.constexpr, HAS_BF16: tl.constexpr, HAS_F16: tl.constexpr,
-    DST: tl.constexpr, MANUAL_CASTS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Packs many source tensors (their addresses in ``src_addresses``) into the
-    chunked layout, casting to DST and pre-dividing; padding is written as zeros."""
-    param, rank, kind, k, idx, in_segment, valid, packed, _ = segment_indices(
-        block_table, param_meta, world, BLOCK)
-    base = tl.load(src_addresses + param)
-    x = tl.full([BLOCK], 0.0, tl.float32)
+def load_source(base, idx, valid, kind, HAS_F32: tl.constexpr, HAS_BF16: tl.constexpr,
+                HAS_F16: tl.constexpr, MANUAL_CASTS: tl.constexpr, TILE: tl.constexpr):
+    """Lanes ``idx`` of the source at address ``base`` (element kind ``kind``),
+    widened to fp32; 0 where not ``valid``."""
+    x = tl.full([TILE], 0.0, tl.float32)
     if HAS_F32:
         if kind == KIND_F32:
             x = load_as_f32(base.to(tl.pointer_type(tl.float32)) + idx, valid, KIND_F32,
@@ -222,35 +204,91 @@ def pack_from_pointer_table(
         if kind == KIND_F16:
             x = load_as_f32(base.to(tl.pointer_type(tl.float16)) + idx, valid, KIND_F16,
                             MANUAL_CASTS)
-    dst = out_ptr + rank.to(tl.int64) * row_numel + packed
-    cast_scale_store(dst, x, in_segment, scale, DST, MANUAL_CASTS, SCALE_MODE)
+    return x
 
 
-@triton.jit
-def pack_bytes_from_pointer_table(
-    src_addresses, out_ptr, param_meta, block_table, row_numel, world, BLOCK: tl.constexpr,
+# Sizes are not specialized (Triton would compile a variant per value class: equal
+# to 1, a multiple of 16), so one compiled kernel serves every bucket; only the row
+# length, which sets the alignment of every rank's row after the first, is.
+@triton.jit(do_not_specialize=["tiles_per_row", "num_tiles", "world"])
+def pack_tiles(
+    src_addresses, out_ptr, param_meta, tiles, scale, row_numel, tiles_per_row, num_tiles,
+    world, HAS_F32: tl.constexpr, HAS_BF16: tl.constexpr, HAS_F16: tl.constexpr,
+    DST: tl.constexpr, MANUAL_CASTS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    """Packs raw bytes (a mixed-dtype bucket): no cast, zero padding."""
-    param, rank, kind, k, idx, in_segment, valid, packed, _ = segment_indices(
-        block_table, param_meta, world, BLOCK)
-    base = tl.load(src_addresses + param)
-    src = base.to(tl.pointer_type(tl.uint8)) + idx
-    x = tl.load(src, mask=valid, other=0)
-    tl.store(out_ptr + rank.to(tl.int64) * row_numel + packed, x, mask=in_segment)
+    """Packs many sources (their addresses in ``src_addresses``) into the chunked
+    ``[world, row_numel]`` layout: cast to DST and pre-divided, or raw bytes when DST
+    is ``KIND_BYTES``; padding is written as zeros. Tile ``t`` is column tile
+    ``t % tiles_per_row`` of rank ``t // tiles_per_row``'s row."""
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        rank = tile // tiles_per_row
+        column_tile = tile - rank * tiles_per_row
+        first = tl.load(tiles + column_tile * TILE_COLS + FIRST_PARAM)
+        count = tl.load(tiles + column_tile * TILE_COLS + PARAM_COUNT)
+        columns = column_tile * TILE + tl.arange(0, TILE)
+        if DST == KIND_BYTES:
+            x = tl.full([TILE], 0, tl.uint8)
+        else:
+            x = tl.full([TILE], 0.0, tl.float32)
+        for i in range(count):
+            param = first + i
+            row = param_meta + param.to(tl.int64) * PARAM_COLS
+            k = columns - tl.load(row + COL_OFFSET).to(tl.int32)
+            idx, in_segment, valid = chunk_indices(
+                k, rank, tl.load(row + SEG_NUMEL).to(tl.int32),
+                tl.load(row + CHUNK_NUMEL).to(tl.int32), tl.load(row + NUMEL).to(tl.int32),
+                world)
+            base = tl.load(src_addresses + param)
+            if DST == KIND_BYTES:
+                v = tl.load(base.to(tl.pointer_type(tl.uint8)) + idx, mask=valid, other=0)
+            else:
+                kind = tl.load(row + SRC_KIND).to(tl.int32)
+                v = load_source(base, idx, valid, kind, HAS_F32, HAS_BF16, HAS_F16,
+                                MANUAL_CASTS, TILE)
+            x = tl.where(valid, v, x)
+        dst = out_ptr + rank.to(tl.int64) * row_numel + columns
+        full = (column_tile + 1) * TILE <= row_numel
+        if DST == KIND_BYTES:
+            if full:
+                tl.store(dst, x)
+            else:
+                tl.store(dst, x, mask=columns < row_numel)
+        else:
+            if full:
+                cast_scale_store(dst, x, None, scale, DST, MANUAL_CASTS, SCALE_MODE)
+            else:
+                cast_scale_store(dst, x, columns < row_numel, scale, DST, MANUAL_CASTS,
+                                 SCALE_MODE)
 
 
-@triton.jit
-def unpack(in_ptr, out_ptr, param_meta, block_table, row_numel, world, BLOCK: tl.constexpr):
-    """Unpacks the chunked layout into the flat unsharded buffer (bit copy; padding
-    is dropped). ``in_ptr``/``out_ptr`` have one integer dtype of the element size."""
-    param, rank, kind, k, idx, in_segment, valid, packed, out_offset = segment_indices(
-        block_table, param_meta, world, BLOCK)
-    x = tl.load(in_ptr + rank.to(tl.int64) * row_numel + packed, mask=valid)
-    tl.store(out_ptr + out_offset + idx, x, mask=valid)
-    # The last block of each parameter zeroes the alignment gap after it.
-    row = param_meta + param.to(tl.int64) * PARAM_COLS
-    start = tl.load(block_table + 2 * tl.program_id(0) + 1)
-    if (rank == 0) & (start + BLOCK >= tl.load(row + SEG_NUMEL)):
-        g = tl.arange(0, 16)
-        gap_ptr = out_ptr + out_offset + tl.load(row + NUMEL) + g
-        tl.store(gap_ptr, tl.full([16], 0, x.dtype), mask=g < tl.load(row + GAP))
+@triton.jit(do_not_specialize=["row_numel", "out_numel", "num_tiles", "world"])
+def unpack_tiles(in_ptr, out_ptr, param_meta, tiles, row_numel, out_numel, num_tiles, world,
+                 TILE: tl.constexpr):
+    """Unpacks the chunked ``[world, row_numel]`` layout into the flat unsharded buffer
+    of ``out_numel`` elements (bit copy: ``in_ptr``/``out_ptr`` have one integer dtype
+    of the element size); padding is dropped, gaps between parameters are zeroed."""
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        first = tl.load(tiles + tile * TILE_COLS + FIRST_PARAM)
+        count = tl.load(tiles + tile * TILE_COLS + PARAM_COUNT)
+        offsets = tile * TILE + tl.arange(0, TILE)
+        x = tl.full([TILE], 0, out_ptr.dtype.element_ty)
+        for i in range(count):
+            row = param_meta + (first + i).to(tl.int64) * PARAM_COLS
+            idx = offsets - tl.load(row + OUT_OFFSET).to(tl.int32)
+            valid = (idx >= 0) & (idx < tl.load(row + NUMEL).to(tl.int32))
+            chunk = tl.load(row + CHUNK_NUMEL).to(tl.int32)
+            q = idx // chunk
+            if tl.load(row + SEG_NUMEL).to(tl.int32) > chunk:  # Shard(d > 0): chunk-cat
+                outer = q // world
+                rank = q - outer * world
+                k = outer * chunk + (idx - q * chunk)
+            else:  # one chunk row per rank
+                rank = q
+                k = idx - q * chunk
+            src = in_ptr + rank.to(tl.int64) * row_numel + tl.load(row + COL_OFFSET) + k
+            x = tl.where(valid, tl.load(src, mask=valid, other=0), x)
+        if (tile + 1) * TILE <= out_numel:
+            tl.store(out_ptr + offsets, x)
+        else:
+            tl.store(out_ptr + offsets, x, mask=offsets < out_numel)

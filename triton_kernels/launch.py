@@ -1,26 +1,24 @@
-"""Kernel launches for :mod:`triton_kernels.ops`: which kernel, which arguments.
+"""Kernel launches for :mod:`triton_kernels.ops`: which kernel, which arguments, how
+many programs.
 
-Eager launches use the table-driven kernels of ``kernels.py`` (metadata tables cached
-per bucket layout, sources through a table of data pointers cached per set of
-addresses); traced launches, and eager ones with :data:`always_generated_kernels`,
-use the per-bucket kernels of :mod:`triton_kernels.codegen`.
+Every launch reads the layout's metadata tables (built once per layout and device,
+:func:`triton_kernels.layout.device_tables`); the pack kernel reads its sources
+through a table of data pointers (cached per set of addresses). A launch runs a
+persistent grid: at most :data:`PROGRAMS_PER_SM` programs per SM (the Triton
+interpreter: :data:`INTERPRETER_PROGRAMS`), each striding over the output tiles.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import struct
-from collections.abc import Iterator
 
 import torch
-from torch.library import wrap_triton
 
 from . import layout as layouts
-from .codegen import MAX_GENERATED_SOURCES, pack_kernel, unpack_kernel
 from .fields import (
     KIND_BF16,
-    KIND_BYTES,
     KIND_F16,
     KIND_F32,
     SCALE_DIVIDE,
@@ -29,23 +27,14 @@ from .fields import (
 )
 from .loader import kernels_module
 
+PROGRAMS_PER_SM = 4
+NUM_WARPS = 4
+# Few programs in the interpreter, which runs them one by one: tests then also cover
+# programs that loop over several tiles.
+INTERPRETER_PROGRAMS = 3
+
 _POINTER_TABLE_CACHE_SIZE = 64
 _pointer_tables: collections.OrderedDict = collections.OrderedDict()
-
-# True runs the generated (traced-path) kernels eagerly too: how the tests check them
-# under the CPU interpreter and the benchmarks time them (see generated_kernels_in_eager).
-always_generated_kernels = False
-
-
-@contextlib.contextmanager
-def generated_kernels_in_eager(enabled: bool = True) -> Iterator[None]:
-    """Eager launches in the block use the generated (traced-path) kernels."""
-    global always_generated_kernels
-    saved, always_generated_kernels = always_generated_kernels, enabled
-    try:
-        yield
-    finally:
-        always_generated_kernels = saved
 
 
 def scale_for(predivide_factor: float | None, device: torch.device) -> tuple[int, float]:
@@ -67,7 +56,7 @@ def _to_f32(value: float) -> float:
 def pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """int64 data pointers of ``tensors`` on ``device``; cached per address tuple, which
     repeats across steps for parameters and usually for gradients."""
-    key = (device, tuple(t.data_ptr() for t in tensors))
+    key = (device, tuple(map(torch.Tensor.data_ptr, tensors)))
     table = _pointer_tables.get(key)
     if table is None:
         table = torch.tensor(key[1], dtype=torch.int64)
@@ -82,16 +71,13 @@ def pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
     return table
 
 
-def _launcher(kernel, traced: bool):
-    """``kernel`` wrapped for tracing (a graph node) when traced, else itself: the
-    wrapper's eager dispatch costs far more than the launch."""
-    return wrap_triton(kernel) if traced else kernel
-
-
-def traced_fallback(tensors: list[torch.Tensor]) -> bool:
-    """Whether a traced copy-in takes the aten decomposition: on CPU (Triton kernels
-    cannot run under ``torch.compile`` there) and beyond the generated kernels' size."""
-    return tensors[0].device.type == "cpu" or len(tensors) > MAX_GENERATED_SOURCES
+@functools.cache
+def max_programs(device: torch.device) -> int:
+    """Programs of a persistent launch on ``device``."""
+    if device.type == "cpu":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch_pack(
@@ -101,46 +87,41 @@ def launch_pack(
     dst_kind: int,
     scale_mode: int,
     scale: float,
-    traced: bool,
 ) -> None:
-    """Launches the pack kernel writing ``layout``'s ``[world, row_numel]`` into ``out``."""
-    if layout.num_blocks == 0:
+    """Launches the pack kernel writing ``layout``'s ``[world, row_numel]`` into ``out``.
+
+    Args:
+        sources: one contiguous tensor per parameter of the layout.
+        out: the contiguous output of ``world * row_numel`` elements.
+        layout: the bucket's layout.
+        dst_kind: ``out``'s element kind (``KIND_BYTES``: raw bytes, no cast).
+        scale_mode, scale: the pre-divide (see :func:`scale_for`).
+    """
+    num_tiles = layout.world_size * layout.tiles_per_row
+    if num_tiles == 0:
         return
     device = out.device
     interpret = device.type == "cpu"
-    grid = (layout.num_blocks, layout.world_size)
-    kinds = [row.src_kind for row in layout.params]
-    if traced or (always_generated_kernels and len(sources) <= MAX_GENERATED_SOURCES):
-        kernel = pack_kernel(layout, len(sources), dst_kind == KIND_BYTES, interpret)
-        _launcher(kernel, traced)[grid](
-            out, scale, *sources, DST=dst_kind, MANUAL_CASTS=interpret, SCALE_MODE=scale_mode)
-        return
-    meta, blocks = layouts.device_tables(layout, device)
-    addresses = pointer_table(sources, device)
-    module = kernels_module(interpret)
-    if dst_kind == KIND_BYTES:
-        module.pack_bytes_from_pointer_table[grid](
-            addresses, out, meta, blocks, layout.row_numel, layout.world_size, BLOCK=layout.block,
-        )
-        return
-    module.pack_from_pointer_table[grid](
-        addresses, out, meta, blocks, scale, layout.row_numel, layout.world_size,
+    meta, tiles = layouts.device_tables(layout, layouts.PACK, device)
+    kinds = layout.src_kinds
+    kernels_module(interpret).pack_tiles[(min(num_tiles, max_programs(device)),)](
+        pointer_table(sources, device), out, meta, tiles, scale, layout.row_numel,
+        layout.tiles_per_row, num_tiles, layout.world_size,
         HAS_F32=KIND_F32 in kinds, HAS_BF16=KIND_BF16 in kinds, HAS_F16=KIND_F16 in kinds,
-        DST=dst_kind, MANUAL_CASTS=interpret, SCALE_MODE=scale_mode, BLOCK=layout.block,
+        DST=dst_kind, MANUAL_CASTS=interpret, SCALE_MODE=scale_mode, TILE=layout.tile,
+        num_warps=NUM_WARPS,
     )
 
 
-def launch_unpack(source: torch.Tensor, target: torch.Tensor, layout: layouts.ChunkLayout,
-                  traced: bool) -> None:
+def launch_unpack(source: torch.Tensor, target: torch.Tensor, layout: layouts.ChunkLayout) -> None:
     """Launches the copy-out kernel from ``source`` (``[world, row_numel]``) into
     ``target`` (the flat unsharded buffer), both integer views of one element size."""
-    if layout.num_blocks == 0:
+    if layout.out_tiles == 0:
         return
-    interpret = source.device.type == "cpu"
-    grid = (layout.num_blocks, layout.world_size)
-    if traced or always_generated_kernels:
-        _launcher(unpack_kernel(layout, interpret), traced)[grid](source, target)
-        return
-    meta, blocks = layouts.device_tables(layout, source.device)
-    kernels_module(interpret).unpack[grid](
-        source, target, meta, blocks, layout.row_numel, layout.world_size, BLOCK=layout.block)
+    device = source.device
+    meta, tiles = layouts.device_tables(layout, layouts.UNPACK, device)
+    kernels_module(device.type == "cpu").unpack_tiles[(min(layout.out_tiles, max_programs(device)),)](
+        source, target, meta, tiles, layout.row_numel, layout.out_numel, layout.out_tiles,
+        layout.world_size, TILE=layout.tile, num_warps=NUM_WARPS,
+    )
+

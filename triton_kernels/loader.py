@@ -3,18 +3,15 @@
 ``@triton.jit`` decides between compiled and interpreted kernels when it decorates,
 from ``TRITON_INTERPRET``. GPU tensors need the compiled kind and CPU tensors the
 interpreted kind, whatever the environment said when ``triton`` was imported, so
-:func:`kernels_module` loads ``kernels.py`` once per mode under its own module name,
-and :func:`load_generated` does the same for generated kernel files.
+:func:`kernels_module` loads ``kernels.py`` once per mode under its own module name.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
 from types import ModuleType
 
 import triton
@@ -40,27 +37,3 @@ def mode_name(interpret: bool) -> str:
 def kernels_module(interpret: bool) -> ModuleType:
     """``kernels.py`` decorated as interpreted (``True``) or compiled kernels."""
     return _load(_KERNELS_FILE, f"triton_kernels._kernels_{mode_name(interpret)}", interpret)
-
-
-def load_generated(source: str, stem: str, interpret: bool) -> ModuleType:
-    """Writes ``source`` to a file named after its hash (Triton reads kernel source
-    back from disk, so it must stay there) and loads it in the given mode.
-
-    Args:
-        source: a Python module defining ``@triton.jit`` kernels.
-        stem: a short name for the file and module.
-        interpret: whether to decorate the kernels as interpreted.
-
-    Returns:
-        The loaded module.
-    """
-    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
-    directory = os.path.join(tempfile.gettempdir(), f"triton_kernels_{os.getuid()}")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{stem}_{digest}.py")
-    if not os.path.exists(path):
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".py")
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    return _load(path, f"triton_kernels._{stem}_{digest}_{mode_name(interpret)}", interpret)

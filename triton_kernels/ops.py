@@ -1,7 +1,5 @@
-"""The fused copies as ``torch.library.triton_op``s (namespace ``fsdp_traceable_triton``).
-
-Each op computes the same bits as its ``torch.ops.fsdp_traceable`` counterpart in one
-kernel launch per bucket:
+"""The fused copies as custom ops (namespace ``fsdp_traceable_triton``), one tile
+kernel launch per bucket each:
 
 * ``all_gather_copy_in(shards, padded_numels, dtype)``: flat all-gather input.
 * ``all_gather_copy_out(all_gather_output, world_size, global_sizes_flat, ndims,
@@ -11,36 +9,36 @@ kernel launch per bucket:
 * ``reduce_scatter_copy_in(grads, world_size, shard_dims, reduce_dtype,
   predivide_factor)``: flat reduce-scatter input.
 
-Run eagerly, the kernels read per-bucket metadata tables (built once, cached on the
-device) and the copy-ins read their sources through a table of data pointers (cached
-per set of addresses). While tracing, they launch kernels generated for the bucket
-(:mod:`triton_kernels.codegen`) that take every source as an argument and carry the
-metadata as literals, so Inductor sees every tensor the kernel reads. GPU tensors use
-compiled kernels, CPU tensors the Triton interpreter; on CPU a ``triton_op`` cannot run
-under ``torch.compile``, so traced CPU calls (and traced buckets of more than
-``MAX_GENERATED_SOURCES`` parameters) decompose into the aten ops instead. Mixed-dtype
-buckets (``uint8``) copy raw bytes.
+Each computes the same bits as its ``torch.ops.fsdp_traceable`` counterpart. The
+ops are opaque to ``torch.compile`` (``torch.library.custom_op`` with a fake impl):
+Inductor emits one call per copy that launches the same kernel as eager. A kernel
+reading many parameters cannot be a ``wrap_triton`` node in Inductor's graph: it
+reads them through a table of their addresses, which Inductor cannot see, so it
+would free or reuse a source's memory before the kernel read it. One kernel serves
+every bucket (its metadata are tables), so nothing is generated or compiled per
+bucket shape. GPU tensors run the compiled kernels, CPU tensors the Triton
+interpreter. Mixed-dtype buckets (``uint8``) copy raw bytes.
 
-The ops are total: what the kernels do not cover runs the aten op inside the
-``triton_op`` (same bits): dtypes other than float32/bfloat16/float16, parameters
-whose indices do not fit int32, and ``Shard(d > 0)`` dims that do not split evenly.
+The plain functions of the same names skip the dispatcher in eager (its cost is
+about that of a launch) and call the op while tracing.
+
+The ops are total: what the kernels do not cover runs the aten op (same bits):
+dtypes other than float32/bfloat16/float16, buckets whose indices do not fit int32,
+and ``Shard(d > 0)`` dims that do not split evenly.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Optional
 
 import torch
-from torch.library import triton_op
 
-from fsdp_traceable.sizes import aligned_offsets, copy_out_align, unflatten_sizes
 from fsdp_traceable.tracing import is_tracing
 
-from . import layout as layouts
-from .fields import INT_OF_SIZE, KIND_BYTES, KINDS, SCALE_NONE
-from .launch import launch_pack, launch_unpack, scale_for, traced_fallback
+from . import plans
+from .fields import INT_OF_SIZE, KINDS, SCALE_NONE
+from .launch import launch_pack, launch_unpack, scale_for
+from .plans import unsharded_views
 
 SUPPORTED_DTYPES = tuple(KINDS)
 
@@ -53,10 +51,33 @@ __all__ = [
     "SUPPORTED_DTYPES",
 ]
 
-@triton_op("fsdp_traceable_triton::all_gather_copy_in", mutates_args=())
-def all_gather_copy_in(
-    shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype
-) -> torch.Tensor:
+
+def _copy_in(shards: list[torch.Tensor], padded_numels: list[int],
+             dtype: torch.dtype) -> torch.Tensor:
+    plan = plans.gather_plan(shards, padded_numels, dtype)
+    if plan is None:
+        return torch.ops.fsdp_traceable.all_gather_copy_in(shards, padded_numels, dtype)
+    sources, layout, dst_kind = plan
+    out = torch.empty(layout.row_numel, dtype=dtype, device=shards[0].device)
+    launch_pack(sources, out, layout, dst_kind, SCALE_NONE, 1.0)
+    return out
+
+
+@torch.library.custom_op("fsdp_traceable_triton::all_gather_copy_in", mutates_args=())
+def _copy_in_op(shards: list[torch.Tensor], padded_numels: list[int],
+                dtype: torch.dtype) -> torch.Tensor:
+    return _copy_in(shards, padded_numels, dtype)
+
+
+@_copy_in_op.register_fake
+def _(shards, padded_numels, dtype):
+    units = plans.copy_units(shards, dtype)
+    numel = sum(int(p) * u for p, u in zip(padded_numels, units))
+    return shards[0].new_empty(numel, dtype=dtype)
+
+
+def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int],
+                       dtype: torch.dtype) -> torch.Tensor:
     """Packs shards into the flat all-gather input (cast to ``dtype``, zero-padded to
     ``padded_numels``), like ``torch.ops.fsdp_traceable.all_gather_copy_in``.
 
@@ -68,14 +89,9 @@ def all_gather_copy_in(
     Returns:
         The flat all-gather input, ``sum(padded_numels)`` elements (bytes for uint8).
     """
-    traced = is_tracing(shards)
-    plan = None if traced and traced_fallback(shards) else _gather_plan(shards, padded_numels, dtype)
-    if plan is None:
-        return torch.ops.fsdp_traceable.all_gather_copy_in(shards, padded_numels, dtype)
-    flats, layout, dst_kind = plan
-    out = torch.empty(layout.row_numel, dtype=dtype, device=shards[0].device)
-    launch_pack(flats, out, layout, dst_kind, SCALE_NONE, 1.0, traced)
-    return out
+    if is_tracing(shards[:1]):  # a traced call's tensors are all traced
+        return _copy_in_op(shards, padded_numels, dtype)
+    return _copy_in(shards, padded_numels, dtype)
 
 
 def all_gather_copy_in_into(
@@ -89,41 +105,42 @@ def all_gather_copy_in_into(
         padded_numels: each shard's padded numel in the flat input.
         out: a contiguous 1-D tensor of the all-gather dtype and the input's numel.
     """
-    plan = _gather_plan(shards, padded_numels, out.dtype)
+    plan = plans.gather_plan(shards, padded_numels, out.dtype)
     if plan is None or not out.is_contiguous() or out.numel() != plan[1].row_numel:
         out.copy_(torch.ops.fsdp_traceable.all_gather_copy_in(shards, padded_numels, out.dtype))
         return
-    flats, layout, dst_kind = plan
-    launch_pack(flats, out, layout, dst_kind, SCALE_NONE, 1.0, traced=False)
+    sources, layout, dst_kind = plan
+    launch_pack(sources, out, layout, dst_kind, SCALE_NONE, 1.0)
 
 
-def _gather_plan(
-    shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype
-) -> tuple[list[torch.Tensor], layouts.ChunkLayout, int] | None:
-    """Flat sources, layout and destination kind of a copy-in, or ``None`` if the
-    kernels do not cover it."""
-    if dtype == torch.uint8:
-        units = [1 if s.dtype == torch.uint8 else s.element_size() for s in shards]
-        flats = [s.reshape(-1).view(torch.uint8) for s in shards]
-        kinds = (KIND_BYTES,) * len(shards)
-        dst_kind = KIND_BYTES
-    else:
-        if dtype not in KINDS or any(s.dtype not in KINDS for s in shards):
-            return None
-        units = [1] * len(shards)
-        flats = [s.reshape(-1) for s in shards]
-        kinds = tuple(KINDS[s.dtype] for s in shards)
-        dst_kind = KINDS[dtype]
-    layout = layouts.gather_layout(
-        _static(f.numel() for f in flats),
-        _static(p * u for p, u in zip(padded_numels, units)),
-        kinds,
-        layouts.DEFAULT_BLOCK,
-    )
-    return (flats, layout, dst_kind) if layout.fits_int32 else None
+def _reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int, shard_dims: list[int],
+                            reduce_dtype: torch.dtype,
+                            predivide_factor: Optional[float]) -> torch.Tensor:
+    layout = plans.reduce_scatter_layout(grads, world_size, shard_dims, reduce_dtype)
+    if layout is None:
+        return torch.ops.fsdp_traceable.reduce_scatter_copy_in(
+            grads, world_size, shard_dims, reduce_dtype, predivide_factor)
+    out = torch.empty(world_size * layout.row_numel, dtype=reduce_dtype, device=grads[0].device)
+    scale_mode, scale = scale_for(predivide_factor, out.device)
+    launch_pack(plans.contiguous(grads), out, layout, KINDS[reduce_dtype], scale_mode, scale)
+    return out
 
 
-@triton_op("fsdp_traceable_triton::reduce_scatter_copy_in", mutates_args=())
+@torch.library.custom_op("fsdp_traceable_triton::reduce_scatter_copy_in", mutates_args=())
+def _reduce_scatter_copy_in_op(grads: list[torch.Tensor], world_size: int,
+                               shard_dims: list[int], reduce_dtype: torch.dtype,
+                               predivide_factor: Optional[float]) -> torch.Tensor:
+    return _reduce_scatter_copy_in(grads, world_size, shard_dims, reduce_dtype, predivide_factor)
+
+
+@_reduce_scatter_copy_in_op.register_fake
+def _(grads, world_size, shard_dims, reduce_dtype, predivide_factor):
+    world = int(world_size)
+    numel = world * plans.chunk_row_numel([plans.static(g.shape) for g in grads],
+                                          plans.static(shard_dims), world)
+    return grads[0].new_empty(numel, dtype=reduce_dtype)
+
+
 def reduce_scatter_copy_in(
     grads: list[torch.Tensor],
     world_size: int,
@@ -144,62 +161,44 @@ def reduce_scatter_copy_in(
     Returns:
         The flat reduce-scatter input of ``reduce_dtype``.
     """
-    traced = is_tracing(grads)
-    world_size, shard_dims = _static(world_size), _static(shard_dims)
-    layout = None
-    if not (traced and traced_fallback(grads)):
-        layout = _reduce_scatter_layout(grads, world_size, shard_dims, reduce_dtype)
+    if is_tracing(grads[:1]):  # a traced call's tensors are all traced
+        return _reduce_scatter_copy_in_op(grads, world_size, shard_dims, reduce_dtype,
+                                          predivide_factor)
+    return _reduce_scatter_copy_in(grads, world_size, shard_dims, reduce_dtype, predivide_factor)
+
+
+def _copy_out(all_gather_output: torch.Tensor, world_size: int, global_sizes_flat: list[int],
+              ndims: list[int], shard_dims: list[int], itemsizes: list[int]) -> torch.Tensor:
+    layout = plans.copy_out_layout(all_gather_output, world_size, global_sizes_flat, ndims,
+                                   shard_dims, itemsizes)
     if layout is None:
-        return torch.ops.fsdp_traceable.reduce_scatter_copy_in(
-            grads, world_size, shard_dims, reduce_dtype, predivide_factor)
-    out = torch.empty(world_size * layout.row_numel, dtype=reduce_dtype, device=grads[0].device)
-    scale_mode, scale = scale_for(predivide_factor, out.device)
-    sources = [g.contiguous() for g in grads]
-    launch_pack(sources, out, layout, KINDS[reduce_dtype], scale_mode, scale, traced)
+        return plans.copy_out_reference(all_gather_output, world_size, global_sizes_flat,
+                                        ndims, shard_dims, itemsizes)
+    if all_gather_output.numel() != world_size * layout.row_numel:
+        raise ValueError(
+            f"all_gather_output has {all_gather_output.numel()} elements but the bucket "
+            f"needs world_size * {layout.row_numel}; pass the output of the bucket's all-gather"
+        )
+    out = torch.empty(layout.out_numel, dtype=all_gather_output.dtype,
+                      device=all_gather_output.device)
+    int_dtype = INT_OF_SIZE[all_gather_output.element_size()]
+    launch_unpack(all_gather_output.contiguous().view(int_dtype), out.view(int_dtype), layout)
     return out
 
 
-def _reduce_scatter_layout(
-    grads: list[torch.Tensor], world_size: int, shard_dims: list[int], reduce_dtype: torch.dtype
-) -> layouts.ChunkLayout | None:
-    if reduce_dtype not in KINDS or any(g.dtype not in KINDS for g in grads):
-        return None
-    sizes = tuple(_static(g.shape) for g in grads)
-    dims = _even_shard_dims(sizes, shard_dims, world_size)
-    if dims is None:
-        return None
-    kinds = tuple(KINDS[g.dtype] for g in grads)
-    layout = layouts.chunk_layout(sizes, dims, world_size, kinds, layouts.DEFAULT_BLOCK)
-    return layout if layout.fits_int32 else None
+@torch.library.custom_op("fsdp_traceable_triton::all_gather_copy_out", mutates_args=())
+def _copy_out_op(all_gather_output: torch.Tensor, world_size: int, global_sizes_flat: list[int],
+                 ndims: list[int], shard_dims: list[int], itemsizes: list[int]) -> torch.Tensor:
+    return _copy_out(all_gather_output, world_size, global_sizes_flat, ndims, shard_dims,
+                     itemsizes)
 
 
-def _static(values) -> tuple[int, ...] | int:
-    """``values`` (an int or ints) as plain ints. A kernel's layout is built from
-    concrete sizes (its metadata are literals or a cached table), so symbolic sizes
-    under ``torch.compile`` with dynamic shapes are specialized here: one guard per
-    size, and the compiled kernel serves that bucket shape."""
-    if isinstance(values, (int, torch.SymInt)):
-        return int(values)
-    return tuple(int(v) for v in values)
+@_copy_out_op.register_fake
+def _(all_gather_output, world_size, global_sizes_flat, ndims, shard_dims, itemsizes):
+    numel = plans.copy_out_numel(all_gather_output, global_sizes_flat, ndims, itemsizes)
+    return all_gather_output.new_empty(numel)
 
 
-def _even_shard_dims(
-    sizes: Sequence[Sequence[int]], shard_dims: Sequence[int], world_size: int
-) -> tuple[int, ...] | None:
-    """Shard dims made non-negative, or ``None`` if a ``Shard(d > 0)`` dim does not
-    split evenly (the aten ops' ``torch.chunk`` then differs from the padded layout)."""
-    dims = []
-    for size, dim in zip(sizes, shard_dims):
-        if not size:
-            return None
-        dim %= len(size)
-        if dim > 0 and size[dim] % world_size:
-            return None
-        dims.append(dim)
-    return tuple(dims)
-
-
-@triton_op("fsdp_traceable_triton::all_gather_copy_out", mutates_args=())
 def all_gather_copy_out(
     all_gather_output: torch.Tensor,
     world_size: int,
@@ -225,82 +224,8 @@ def all_gather_copy_out(
     Returns:
         The flat buffer, of ``all_gather_output``'s dtype.
     """
-    byte_mode = all_gather_output.dtype == torch.uint8
-    itemsize = all_gather_output.element_size()
-    world_size, shard_dims = _static(world_size), _static(shard_dims)
-    sizes = tuple(_static(s) for s in unflatten_sizes(global_sizes_flat, _static(ndims)))
-    dims = _even_shard_dims(sizes, shard_dims, world_size)
-    units = _static(itemsizes) if byte_mode else None
-    layout = None
-    if dims is not None and itemsize in INT_OF_SIZE:
-        kinds = (KIND_BYTES,) * len(sizes)
-        layout = layouts.chunk_layout(sizes, dims, world_size, kinds, layouts.DEFAULT_BLOCK,
-                                      units=units, out_align=copy_out_align(itemsize, byte_mode))
-    device = all_gather_output.device
-    traced = is_tracing([all_gather_output])
-    if layout is None or not layout.fits_int32 or (traced and device.type == "cpu"):
-        return _copy_out_reference(all_gather_output, world_size, global_sizes_flat, ndims,
-                                   shard_dims, itemsizes)
-    if all_gather_output.numel() != world_size * layout.row_numel:
-        raise ValueError(
-            f"all_gather_output has {all_gather_output.numel()} elements but the bucket "
-            f"needs world_size * {layout.row_numel}; pass the output of the bucket's all-gather"
-        )
-    out = torch.empty(layout.out_numel, dtype=all_gather_output.dtype, device=device)
-    int_dtype = INT_OF_SIZE[itemsize]
-    launch_unpack(all_gather_output.contiguous().view(int_dtype), out.view(int_dtype), layout, traced)
-    return out
-
-
-def _copy_out_reference(
-    all_gather_output: torch.Tensor, world_size: int, global_sizes_flat: list[int],
-    ndims: list[int], shard_dims: list[int], itemsizes: list[int],
-) -> torch.Tensor:
-    """:func:`all_gather_copy_out`'s buffer built from the aten op, for what the
-    kernels do not cover."""
-    byte_mode = all_gather_output.dtype == torch.uint8
-    dtype = all_gather_output.dtype
-    dtypes = [INT_OF_SIZE[i] if byte_mode else dtype for i in itemsizes]
-    outputs = torch.ops.fsdp_traceable.all_gather_copy_out(
-        all_gather_output, world_size, global_sizes_flat, ndims, shard_dims, dtypes)
-    flats = [o.reshape(-1).view(dtype) if byte_mode else o.reshape(-1) for o in outputs]
-    offsets, end = aligned_offsets(
-        [f.numel() for f in flats], copy_out_align(all_gather_output.element_size(), byte_mode))
-    pieces = []
-    for i, flat in enumerate(flats):
-        pieces.append(flat)
-        gap = (offsets[i + 1] if i + 1 < len(flats) else end) - offsets[i] - flat.numel()
-        if gap:
-            pieces.append(flat.new_zeros(gap))
-    return torch.cat(pieces) if pieces else all_gather_output.new_empty(0)
-
-
-def unsharded_views(
-    flat: torch.Tensor,
-    global_sizes_flat: list[int],
-    ndims: list[int],
-    dtypes: list[torch.dtype],
-) -> list[torch.Tensor]:
-    """Splits :func:`all_gather_copy_out`'s buffer into one view per parameter, of its
-    global size and (for a byte buffer) its dtype. Cheap: no layout is built.
-
-    Args:
-        flat: what :func:`all_gather_copy_out` returned.
-        global_sizes_flat, ndims: as passed to it.
-        dtypes: each parameter's dtype.
-
-    Returns:
-        One view of ``flat`` per parameter.
-    """
-    byte_mode = flat.dtype == torch.uint8
-    sizes = unflatten_sizes(global_sizes_flat, ndims)
-    numels = [math.prod(size) * (dtype.itemsize if byte_mode else 1)
-              for size, dtype in zip(sizes, dtypes)]
-    offsets, _ = aligned_offsets(numels, copy_out_align(flat.element_size(), byte_mode))
-    views = []
-    for size, dtype, offset, numel in zip(sizes, dtypes, offsets, numels):
-        piece = flat.narrow(0, offset, numel)
-        if byte_mode and dtype != torch.uint8:
-            piece = piece.view(dtype)
-        views.append(piece.view(size))
-    return views
+    if is_tracing([all_gather_output]):
+        return _copy_out_op(all_gather_output, world_size, global_sizes_flat, ndims,
+                            shard_dims, itemsizes)
+    return _copy_out(all_gather_output, world_size, global_sizes_flat, ndims, shard_dims,
+                     itemsizes)

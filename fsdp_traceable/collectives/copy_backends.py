@@ -5,8 +5,7 @@ Every backend offers the same four functions with the arguments and bits of the
 
 * ``"auto"`` (default): the fastest measured backend for the device and the copy
   (:data:`AUTO_TRACED_GPU` and :func:`auto_backend`): on a GPU with Triton, the
-  table-driven Triton kernels in eager, and under ``torch.compile`` the Triton op or
-  Inductor's fusion per copy; elsewhere ``"inductor"``.
+  Triton tile kernels, eager and under ``torch.compile``; elsewhere ``"inductor"``.
 * ``"inductor"``: the ``torch.ops.fsdp_traceable`` ops (aten ops in eager,
   fused into one Inductor kernel per bucket under ``torch.compile``). It serves
   everything, and is what the other backends fall back to.
@@ -134,18 +133,12 @@ TRITON = CopyBackend(
 COPY_BACKENDS: dict[str, CopyBackend] = {b.name: b for b in (ATEN, TRITON, FOREACH)}
 COPY_KERNELS = ("auto", *COPY_BACKENDS)
 
-# "auto" under torch.compile on a GPU: per copy, the faster of Inductor's fusion of the
-# aten decomposition and the Triton op (its per-bucket generated kernel), from one
-# H200 (world 8, fp32 shards -> bf16, % of HBM peak; benchmarks/gpu_check.py):
-#   all-gather copy-in, 100 params:     Inductor 16%, Triton 25%
-#   all-gather copy-out, 9 params:      Inductor 59%, Triton 84%
-#   all-gather copy-out, 100 params:    Inductor 43%, Triton 19%
-#   reduce-scatter copy-in, 9 params:   Inductor 8%,  Triton 88%
-#   reduce-scatter copy-in, 100 params: Inductor 29%, Triton 24%
-# The reduce-scatter copy-in takes Triton at every size: its kernel rounds the cast
-# before the pre-divide as eager does, where Inductor fuses the two (not bitwise).
-# A copy-out of more than this many parameters takes Inductor.
-AUTO_TRACED_COPY_OUT_MAX_PARAMS = 16
+# "auto" on a GPU with Triton: the tile kernels for every copy, eager and under
+# torch.compile (where each copy is one opaque op launching the same kernel). The last
+# measured alternatives (one H200, world 8, fp32 shards -> bf16, % of HBM peak, before
+# the tile kernels): Inductor's fusion 8-59% and per-bucket generated Triton kernels
+# 19-88%, the generated ones slow to compile at 100+ parameters; Inductor's fusion of
+# the reduce-scatter copy-in also rounds the pre-divide differently from eager.
 AUTO_TRACED_GPU = {
     "all_gather_copy_in": "triton",
     "all_gather_copy_out": "triton",
@@ -164,14 +157,12 @@ def auto_backend(tensors: Sequence[torch.Tensor], copy: str, num_params: int) ->
     """The backend ``"auto"`` picks for ``copy`` (an op name) of ``num_params``
     parameters on ``tensors``: Triton on a GPU (eager: always; traced: per
     :data:`AUTO_TRACED_GPU`), aten elsewhere or without Triton."""
+    del num_params  # one tile kernel serves every bucket size
     if tensors[0].device.type not in _TRITON_DEVICES or not triton_importable():
         return ATEN
     if not is_tracing(tensors):
         return TRITON
-    choice = AUTO_TRACED_GPU[copy]
-    if copy == "all_gather_copy_out" and num_params > AUTO_TRACED_COPY_OUT_MAX_PARAMS:
-        choice = "inductor"
-    return COPY_BACKENDS[choice]
+    return COPY_BACKENDS[AUTO_TRACED_GPU[copy]]
 
 
 def copy_kernels() -> str:
@@ -189,12 +180,14 @@ def backend_for(tensors: Sequence[torch.Tensor], copy: str, num_params: int) -> 
     """The backend for ``copy`` (an op name) of ``num_params`` parameters on
     ``tensors``: the one ``config.copy_kernels`` names (or ``"auto"`` picks) if it
     serves ``tensors`` now, else aten."""
+    # A copy's tensors are on one device and all traced or none: the first one tells.
+    first = tensors[:1]
     mode = copy_kernels()
     if mode == "auto":
-        backend = auto_backend(tensors, copy, num_params)
+        backend = auto_backend(first, copy, num_params)
     else:
         backend = COPY_BACKENDS[mode]
-    return backend if backend.serves(tensors) else ATEN
+    return backend if backend.serves(first) else ATEN
 
 
 def all_gather_copy_in(

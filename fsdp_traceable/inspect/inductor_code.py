@@ -3,7 +3,8 @@ copy into and out of their buffers.
 
 Inductor's output code (``run_and_get_code``, ``TORCH_LOGS=output_code``) runs a
 ``call`` function of one statement per line: kernel launches (``cpp_fused_*`` on CPU,
-``triton_*`` on GPU), extern kernels (``extern_kernels.mm``), aten fallbacks and the
+``triton_*`` on GPU), extern kernels (``extern_kernels.mm``), aten fallbacks, the
+Triton copy ops (``torch.ops.fsdp_traceable_triton.*``, each one kernel launch) and the
 functional collectives (``torch.ops._c10d_functional.*``). Buffers are named
 ``bufN``; a line ``bufA = reinterpret_tensor(bufB, ...)  # alias`` makes ``bufA`` a
 view of ``bufB``, and ``bufA = bufB; del bufB  # reuse`` hands ``bufB``'s memory to a
@@ -21,7 +22,9 @@ __all__ = ["CollectiveCopies", "Launch", "collective_kind", "collective_copies",
 
 _COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional(?:_autograd)?\.(\w+)\.default\(")
 _KERNEL = re.compile(r"^\s*((?:cpp_fused|triton)_\w+?)(?:\.run)?\(")
-_EXTERN = re.compile(r"^\s*(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.aten\.\w+(?:\.\w+)?)\(")
+# aten fallbacks and the Triton copy ops (each launches one kernel of its own).
+_EXTERN = re.compile(
+    r"^\s*(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.(?:aten|fsdp_traceable_triton)\.\w+(?:\.\w+)?)\(")
 _ASSIGNED = re.compile(r"^\s*(buf\d+) = ")
 _ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+),.*# alias")
 _REUSE = re.compile(r"^\s*(buf\d+) = .*# reuse")

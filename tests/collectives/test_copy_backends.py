@@ -141,20 +141,17 @@ def test_auto_takes_the_aten_ops_on_cpu():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_auto_on_a_gpu_takes_the_measured_fastest(monkeypatch):
-    """Traced: Triton per copy, but Inductor for a copy-out of many parameters;
-    eager: the table-driven Triton kernels for every copy."""
+def test_auto_on_a_gpu_takes_the_tile_kernels(monkeypatch):
+    """Traced and eager, every copy of any bucket size takes the Triton tile kernels."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         tensors = [torch.empty(4, device="cuda")]
-    limit = copy_backends.AUTO_TRACED_COPY_OUT_MAX_PARAMS
 
     def names(num_params: int) -> list[str]:
         return [copy_backends.auto_backend(tensors, copy, num_params).name
                 for copy in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in")]
 
-    assert names(limit) == ["triton", "triton", "triton"]
-    assert names(limit + 1) == ["triton", "inductor", "triton"]
+    assert names(9) == names(1000) == ["triton", "triton", "triton"]
     monkeypatch.setattr(copy_backends, "is_tracing", lambda tensors=(): False)
-    assert names(limit + 1) == ["triton", "triton", "triton"]
+    assert names(1000) == ["triton", "triton", "triton"]

@@ -178,3 +178,44 @@ def test_pinned_cpu_offload_matches_fsdp2(built_on: str):
     assert compiled["losses"] == pytest.approx(theirs["losses"], abs=1e-5)
     for a, b in zip(theirs["params"], compiled["params"], strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_compiled_copies_are_one_tile_kernel_each(fresh_inductor_cache):
+    """Under ``torch.compile`` with ``"auto"``, each copy of a bucket is one call of its
+    Triton op in Inductor's output code, no Inductor kernel touches the copies, and a
+    call launches exactly one tile kernel per copy (two pack, one unpack)."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_traceable.inspect.inductor_code import schedule
+
+    fulls, shards, padded, dims = _bucket(F32)
+    gathered = torch.cat([copy_backends.all_gather_copy_in(shards, padded, BF16)] * WORLD)
+    sizes_flat = [d for full in fulls for d in full.shape]
+    ndims = [full.dim() for full in fulls]
+
+    def copies(shards, gathered, grads):
+        flat = copy_backends.all_gather_copy_in(shards, padded, BF16)
+        outs = copy_backends.all_gather_copy_out(gathered, WORLD, sizes_flat, ndims, dims,
+                                                 [BF16] * len(fulls))
+        packed = copy_backends.reduce_scatter_copy_in(grads, WORLD, dims, BF16, 3.0)
+        return [flat, *outs, packed]
+
+    torch._dynamo.reset()
+    with fsdp_traceable.config.patch(copy_kernels="auto"):
+        compiled = torch.compile(copies, fullgraph=True)
+        _, (code,) = run_and_get_code(compiled, shards, gathered, fulls)
+        launches = [(launch.kind, launch.name) for launch in schedule(code)]
+        assert sorted(launches) == [
+            ("extern", f"torch.ops.fsdp_traceable_triton.{op}.default")
+            for op in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in")
+        ], code
+        compiled(shards, gathered, fulls)  # pointer tables cached: no copies to the GPU
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            compiled(shards, gathered, fulls)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    assert sorted(kernels) == ["pack_tiles", "pack_tiles", "unpack_tiles"], kernels
+    torch._dynamo.reset()

@@ -2,11 +2,10 @@
 
 CPU tensors always run the interpreted build of the kernels (``triton_kernels.loader``
 builds it whatever ``TRITON_INTERPRET`` said at import), so these tests need no GPU
-and no environment variable. Each copy test runs both kernel variants (the ``variant``
-fixture): the table-driven kernels of the eager path and the kernels generated per
-bucket for the traced path, with a block size small enough that parameters span
-several programs. The traced GPU path itself is checked by tracing on fake CUDA
-tensors (the kernel is not run).
+and no environment variable. The copy tests use tiles of 64 elements (the ``tiles``
+fixture): parameters span several tiles, tiles span several parameters, and the
+interpreter's few programs each loop over several tiles. The traced GPU path itself
+is checked by tracing on fake CUDA tensors (the kernel is not run).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from tests.collectives.copy_cases import (
 pytestmark = pytest.mark.triton
 
 triton_kernels = pytest.importorskip("triton_kernels.ops", reason="triton is not installed")
-from triton_kernels import launch, unsharded_views  # noqa: E402
+from triton_kernels import launch, ops, unsharded_views  # noqa: E402
 from triton_kernels import layout as layouts  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -49,16 +48,16 @@ if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 
 
-@pytest.fixture(params=["tables", "generated"])
-def variant(request, monkeypatch):
-    """Runs each test with the eager (table) and the traced (generated) kernels, and a
-    block of 64 elements (the interpreter runs programs one by one)."""
-    monkeypatch.setattr(launch, "always_generated_kernels", request.param == "generated")
-    monkeypatch.setattr(layouts, "DEFAULT_BLOCK", 64)
-    return request.param
+TILE = 64
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.fixture
+def tiles(monkeypatch):
+    """Tiles of :data:`TILE` elements (the interpreter runs programs one by one)."""
+    monkeypatch.setattr(layouts, "DEFAULT_TILE", TILE)
+
+
+@pytest.mark.usefixtures("tiles")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("src,dst", CASTS, ids=lambda d: str(d).removeprefix("torch."))
 def test_all_gather_copy_in_matches_aten(world_size, src, dst):
@@ -71,7 +70,7 @@ def test_all_gather_copy_in_matches_aten(world_size, src, dst):
         assert_same_bits(actual, expected)
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.mark.usefixtures("tiles")
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_all_gather_copy_in_mixed_dtypes(world_size):
     """Mixed source dtypes cast to one dtype, and a mixed bucket packed as bytes."""
@@ -86,7 +85,7 @@ def test_all_gather_copy_in_mixed_dtypes(world_size):
             assert_same_bits(actual, expected)
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.mark.usefixtures("tiles")
 def test_all_gather_copy_in_empty_shards_and_padding():
     shards = [torch.arange(10.0), torch.empty(0), torch.arange(3.0).view(3, 1), torch.empty(0)]
     padded = [12, 5, 3, 0]
@@ -94,7 +93,7 @@ def test_all_gather_copy_in_empty_shards_and_padding():
     assert_same_bits(actual, torch.ops.fsdp_traceable.all_gather_copy_in(shards, padded, BF16))
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.mark.usefixtures("tiles")
 def test_all_gather_copy_in_into_writes_the_slice():
     """The eager ``_into`` variant fills exactly the given slice of a larger buffer."""
     params = bucket(3)
@@ -107,7 +106,7 @@ def test_all_gather_copy_in_into_writes_the_slice():
     assert (buffer[: expected.numel()] == 7).all() and (buffer[2 * expected.numel() :] == 7).all()
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.mark.usefixtures("tiles")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("src,dst", CASTS, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("predivide", [None, 3.0])
@@ -120,7 +119,7 @@ def test_reduce_scatter_copy_in_matches_aten(world_size, src, dst, predivide):
     assert_same_bits(actual, expected)
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.mark.usefixtures("tiles")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
 def test_all_gather_copy_out_matches_aten(world_size, dtype):
@@ -134,9 +133,10 @@ def test_all_gather_copy_out_matches_aten(world_size, dtype):
     expected = torch.ops.fsdp_traceable.all_gather_copy_out(
         output, world_size, sizes_flat, ndims, dims, [dtype] * len(params))
     _check_copy_out(flat, views, expected, fulls)
+    assert -(-flat.numel() // TILE) > launch.INTERPRETER_PROGRAMS  # programs loop over tiles
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.mark.usefixtures("tiles")
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_all_gather_copy_out_bytes(world_size):
     """A mixed-dtype bucket gathered as bytes comes out as views of each dtype."""
@@ -171,12 +171,12 @@ def _f32(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(F32)
 
 
-@pytest.mark.usefixtures("variant")
+@pytest.mark.usefixtures("tiles")
 def test_casts_round_to_nearest_even_at_every_tie(monkeypatch):
     """Every fp16 and bf16 value widened to fp32, and fp32 values at every fp16 and
     bf16 rounding tie (the midpoints between consecutive finite values, and one fp32
     ulp either side), plus random fp32 bit patterns, narrowed."""
-    monkeypatch.setattr(layouts, "DEFAULT_BLOCK", 2**16)  # few, wide interpreted programs
+    monkeypatch.setattr(layouts, "DEFAULT_TILE", 2**16)  # few, wide interpreted tiles
     ints16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     for narrow in (F16, BF16):
         every = ints16.view(narrow)
@@ -203,17 +203,48 @@ def test_casts_round_to_nearest_even_at_every_tie(monkeypatch):
         assert_same_bits(actual, source.to(narrow))
 
 
-def test_layouts_and_tables_are_cached():
-    """The per-bucket metadata is built once: the same layout object and the same
-    device tables come back for the same bucket description."""
-    first = layouts.chunk_layout(((4, 6), (5,)), (1, 0), 2, (0, 0), 32)
-    assert layouts.chunk_layout(((4, 6), (5,)), (1, 0), 2, (0, 0), 32) is first
-    meta, blocks = layouts.device_tables(first, torch.device("cpu"))
-    again = layouts.device_tables(first, torch.device("cpu"))
-    assert again[0] is meta and again[1] is blocks
-    # (4, 6) Shard(1) at 2 ranks: 4 rows of 3; (5,) Shard(0): ceil(5 / 2) = 3 per rank.
-    assert first.row_numel == 12 + 3
-    assert meta[:, :4].tolist() == [[0, 12, 3, 24], [12, 3, 3, 5]]
+def test_layouts_and_tile_tables():
+    """The per-bucket metadata is built once (same layout object, same device tables),
+    and each tile names exactly the parameters whose elements it holds."""
+    first = layouts.chunk_layout(((4, 6), (5,), (0,), (9,)), (1, 0, 0, 0), 2, (0,) * 4, 8)
+    assert layouts.chunk_layout(((4, 6), (5,), (0,), (9,)), (1, 0, 0, 0), 2, (0,) * 4, 8) is first
+    meta, tiles = layouts.device_tables(first, layouts.PACK, torch.device("cpu"))
+    again = layouts.device_tables(first, layouts.PACK, torch.device("cpu"))
+    assert again[0] is meta and again[1] is tiles
+    # (4, 6) Shard(1) at 2 ranks: 4 rows of 3; (5,) Shard(0): ceil(5 / 2) = 3 per rank;
+    # (0,): nothing; (9,): 5 per rank. Columns: [0, 12) [12, 15) [15, 20).
+    assert first.row_numel == 12 + 3 + 5
+    assert meta[:, :4].tolist() == [[0, 12, 3, 24], [12, 3, 3, 5], [15, 0, 1, 0], [15, 5, 5, 9]]
+    # Tiles of 8 columns: [0, 8) param 0; [8, 16) params 0 to 3 (2 has no columns);
+    # [16, 20) param 3.
+    assert tiles.tolist() == [[0, 1], [0, 4], [3, 1]]
+    _, out_tiles = layouts.device_tables(first, layouts.UNPACK, torch.device("cpu"))
+    # Unsharded buffer: [0, 24) [24, 29) [29, 38).
+    assert out_tiles.tolist() == [[0, 1], [0, 1], [0, 1], [1, 3], [3, 1]]
+
+
+def test_repeated_calls_build_no_metadata(monkeypatch):
+    """Eager calls of a bucket seen before reuse its layouts, device tables and pointer
+    table: the builders run on the first call only."""
+    built = []
+    real_tables = layouts.make_tables
+    monkeypatch.setattr(layouts, "make_tables", lambda *a: built.append(a[1]) or real_tables(*a))
+    params = bucket(2)
+    fulls = full_tensors(params, [F32] * len(params))
+    shards, padded = rank_shards(params, fulls, 2, 0)
+    output = gathered(params, fulls, 2, BF16)
+    sizes_flat, ndims, dims = copy_out_args(params, 2)
+    layouts.gather_layout.cache_clear()
+    layouts.chunk_layout.cache_clear()
+    launch._pointer_tables.clear()
+    for _ in range(3):
+        ops.all_gather_copy_in(shards, padded, BF16)
+        ops.reduce_scatter_copy_in(fulls, 2, dims, BF16, 2.0)
+        ops.all_gather_copy_out(output, 2, sizes_flat, ndims, dims, [2] * len(params))
+    assert layouts.gather_layout.cache_info().misses == 1
+    assert layouts.chunk_layout.cache_info().misses == 2  # reduce-scatter and copy-out
+    assert sorted(built) == ["pack", "pack", "unpack"]
+    assert len(launch._pointer_tables) == 2  # the shards' and the gradients' addresses
 
 
 @pytest.mark.parametrize(
@@ -246,29 +277,25 @@ def _trace_on_fake_cuda(fn, *sizes):
 
 
 @pytest.mark.parametrize("op", ["all_gather_copy_in", "reduce_scatter_copy_in", "all_gather_copy_out"])
-def test_traced_gpu_path_is_one_kernel_reading_every_source(op):
-    """Traced on GPU, each op is ONE ``triton_kernel_wrapper_functional`` node taking
-    every source tensor as an argument, with no metadata constants in the graph."""
+def test_traced_gpu_path_is_one_op_reading_every_source(op):
+    """Traced on GPU, each copy is ONE opaque call of its op (which launches one tile
+    kernel), taking every source tensor as an argument, with no constants in the graph."""
+    ops_ns = torch.ops.fsdp_traceable_triton
     if op == "all_gather_copy_in":
         graph = _trace_on_fake_cuda(
-            lambda a, b, c: torch.ops.fsdp_traceable_triton.all_gather_copy_in([a, b, c], [16, 4, 6], BF16),
+            lambda a, b, c: ops.all_gather_copy_in([a, b, c], [16, 4, 6], BF16),
             (15,), (3,), (2, 3))
-        sources = 3
     elif op == "reduce_scatter_copy_in":
         graph = _trace_on_fake_cuda(
-            lambda a, b: torch.ops.fsdp_traceable_triton.reduce_scatter_copy_in([a, b], 2, [0, 1], BF16, 3.0),
-            (5, 3), (2, 6))
-        sources = 2
+            lambda a, b: ops.reduce_scatter_copy_in([a, b], 2, [0, 1], BF16, 3.0), (5, 3), (2, 6))
     else:
         graph = _trace_on_fake_cuda(
-            lambda x: torch.ops.fsdp_traceable_triton.all_gather_copy_out(x, 2, [4, 3, 2, 6], [2, 2], [0, 1], [4, 4]),
-            (24,))
-        sources = 0
-    calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
-    assert len(calls) == 1
-    kwargs = calls[0].kwargs["kwargs"]
-    assert [k for k in kwargs if k.startswith("src_")] == [f"src_{i}" for i in range(sources)]
-    assert not [n for n in graph.graph.nodes if n.op == "get_attr"], graph.code
+            lambda x: ops.all_gather_copy_out(x, 2, [4, 3, 2, 6], [2, 2], [0, 1], [4, 4]), (24,))
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [getattr(ops_ns, op).default], graph.code
+    inputs = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    sources = calls[0].args[0]
+    assert list(sources) == inputs if isinstance(sources, (list, tuple)) else [sources] == inputs
 
 
 def _symbolic_fake_cuda_calls():
@@ -310,3 +337,34 @@ def test_traced_ops_specialize_symbolic_sizes():
     symbolic, static = _symbolic_fake_cuda_calls()
     assert [tuple(t.shape) for t in symbolic] == [tuple(t.shape) for t in static]
     assert all(isinstance(d, int) for t in symbolic for d in t.shape)
+
+
+@pytest.mark.usefixtures("tiles", "fresh_inductor_cache")
+def test_inductor_calls_each_op_once_with_the_eager_bits():
+    """Compiled by Inductor (CPU tensors: the op runs the interpreted kernel), each
+    copy is one call of its op in the output code, with the eager bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fsdp_traceable.inspect.inductor_code import schedule
+
+    params = bucket(2)
+    fulls = full_tensors(params, [F32] * len(params))
+    shards, padded = rank_shards(params, fulls, 2, 1)
+    output = gathered(params, fulls, 2, BF16)
+    sizes_flat, ndims, dims = copy_out_args(params, 2)
+
+    def copies(shards, output, grads):
+        flat = ops.all_gather_copy_out(output, 2, sizes_flat, ndims, dims, [2] * len(params))
+        return [ops.all_gather_copy_in(shards, padded, BF16),
+                *unsharded_views(flat, sizes_flat, ndims, [BF16] * len(params)),
+                ops.reduce_scatter_copy_in(grads, 2, dims, F16, 3.0)]
+
+    torch._dynamo.reset()
+    compiled, (code,) = run_and_get_code(torch.compile(copies, fullgraph=True), shards, output, fulls)
+    torch._dynamo.reset()
+    assert sorted((launch.kind, launch.name) for launch in schedule(code)) == [
+        ("extern", f"torch.ops.fsdp_traceable_triton.{op}.default")
+        for op in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in")
+    ], code
+    for got, want in zip(compiled, copies(shards, output, fulls), strict=True):
+        assert_same_bits(got, want, nan_payloads=True)
