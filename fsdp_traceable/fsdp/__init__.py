@@ -2,9 +2,9 @@
 top of :mod:`fsdp_traceable.collectives`.
 
 Each ``fully_shard`` call makes one :class:`~.param_group.ParamGroup`; its
-all-gather and reduce-scatter meet autograd in one ``autograd.Function``
-(:mod:`.autograd_bridge`); eager reshard-after-forward saves tokens instead of
-unsharded parameters (:mod:`.saved_unsharded`).
+all-gather and reduce-scatter (:mod:`.gradient_reduction`) meet autograd in one
+``autograd.Function`` (:mod:`.autograd_bridge`); eager reshard-after-forward saves
+tokens instead of unsharded parameters (:mod:`.saved_unsharded`).
 """
 
 from .fsdp_module import FSDPModule

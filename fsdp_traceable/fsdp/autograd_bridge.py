@@ -13,6 +13,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..collectives import comm
+from .gradient_reduction import reduce_grads
 from .param_group import ParamGroup
 
 # A compiled backward returns the sharded gradients as plain tensors, and AOTAutograd's
@@ -97,7 +98,7 @@ class UnshardParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         accumulated = dict(zip(ctx.accumulated_indices, ctx.saved_tensors))
-        sharded_grads = ctx.group.reduce_grads(unsharded_grads, accumulated)
+        sharded_grads = reduce_grads(ctx.group, unsharded_grads, accumulated)
         return (None, None, *sharded_grads, *[None] * len(accumulated))
 
 

@@ -1,4 +1,5 @@
-"""One ``fully_shard`` call's parameters: sharding, unsharding and gradient reduction."""
+"""One ``fully_shard`` call's parameters: sharding, unsharding and the state around them
+(gradient reduction is in :mod:`.gradient_reduction`)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..collectives import (
-    ReduceResult,
     ShardInfo,
-    accumulate_sharded_grad,
     comm,
     foreach_all_gather,
     foreach_all_gather_copy_out,
     make_shard_info,
     shard_tensor,
 )
-from ..collectives.reduce import finish_foreach_reduce, start_foreach_reduce
 from ..collectives.validation import check_bucket_bytes
-from . import reduce_queue
 from .all_gather_extensions import (
     AllGatherExtension,
     PendingUnshard,
@@ -302,121 +299,9 @@ class ParamGroup:
         self.eager.forward_unsharded = None
         self.eager.take_post_forward()
 
-    def _all_reduce_hook(self) -> Callable[[torch.Tensor], None] | None:
-        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
-        if hook is None or stream is None:
-            return hook
-        if comm.use_traced_path():
-            raise NotImplementedError(
-                "set_all_reduce_hook(stream=...) runs the hook on its own stream, which a "
-                "compiled backward does not schedule: set the hook without stream="
-            )
-
-        def on_stream(reduce_output: torch.Tensor) -> None:
-            device_module = torch.get_device_module(self.device.type)
-            current = device_module.current_stream()
-            stream.wait_stream(current)
-            with device_module.stream(stream):
-                hook(reduce_output)
-            current.wait_stream(stream)
-
-        return on_stream
-
     def _end_backward(self) -> None:
         if self.reshard_after_backward:
             self.eager.unsharded_for_backward = None
-
-    def reduce_grads(
-        self,
-        unsharded_grads: tuple[torch.Tensor | None, ...],
-        accumulated: dict[int, torch.Tensor] | None = None,
-    ) -> list[torch.Tensor | None]:
-        """Reduce-scatters the trainable parameters' gradients into sharded gradients.
-
-        ``accumulated``: earlier no-sync microbatches' unsharded gradients, by parameter
-        index, passed in by a compiled backward; eager takes them from the group's state.
-        """
-        # Guarded: a traced backward must not mutate Python state (Dynamo refuses such
-        # side effects inside an autograd.Function), and there it is always None.
-        if self.reshard_after_backward and self.eager.unsharded_for_backward is not None:
-            self.eager.unsharded_for_backward = None
-        if self.eager.forward_unsharded is not None:
-            if not self.reshard_after_backward and self.eager.unsharded_for_backward is None:
-                self.eager.unsharded_for_backward = list(self.eager.forward_unsharded)
-            self.eager.forward_unsharded = None
-        # As in FSDP2, only parameters that received a gradient are reduced; the others
-        # keep .grad None (which is what AdamW and weight decay expect).
-        grads = {
-            i: grad for i, (grad, param) in enumerate(zip(unsharded_grads, self.sharded_params))
-            if grad is not None and param.requires_grad
-        }
-        if self.reduce_scatter_unused_params:
-            for i, (info, param) in enumerate(zip(self.infos, self.sharded_params)):
-                if i not in grads and param.requires_grad:
-                    grads[i] = torch.zeros(info.global_size, dtype=info.param_dtype,
-                                           device=self.device)
-        if not accumulated:
-            accumulated = self.eager.take_accumulated_grads()
-        if accumulated is not None or not self.requires_gradient_sync:
-            # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
-            grads = {i: g.to(self.infos[i].reduce_dtype) for i, g in grads.items()}
-        if accumulated is not None:
-            for i, earlier in accumulated.items():
-                grads[i] = grads[i] + earlier if i in grads else earlier
-        sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
-        if not self.requires_gradient_sync:
-            if comm.use_traced_path():
-                raise NotImplementedError(
-                    "set_requires_gradient_sync(False) keeps unsharded gradients across "
-                    "backward calls, which a compiled backward cannot hold; accumulate "
-                    "with gradient sync on, or run the no-sync microbatches' backward "
-                    "eagerly (loss.backward() outside compiled_autograd._enable) and only "
-                    "the last microbatch, with set_requires_gradient_sync(True), compiled"
-                )
-            self.eager.accumulated_unsharded_grads = grads
-            return sharded_grads
-        if not grads:
-            return sharded_grads
-        indices = sorted(grads)
-        skip_all_reduce = self.is_hsdp and not self.requires_all_reduce
-        if skip_all_reduce and comm.use_traced_path():
-            raise NotImplementedError(
-                "set_requires_all_reduce(False) keeps the reduce-scattered gradients across "
-                "backward calls, which a compiled backward cannot hold; run those "
-                "microbatches' backward eagerly and only the last one compiled"
-            )
-        pending = start_foreach_reduce(
-            [grads[i] for i in indices], [self.infos[i] for i in indices], self.shard_group,
-            all_reduce_group=self.replicate_group,
-            gradient_divide_factor=self.gradient_divide_factor,
-            force_sum_reduction=self.force_sum_reduction,
-            all_reduce_grads=not skip_all_reduce,
-            partial_reduce_output=self.eager.take_partial_reduce_output(),
-            all_reduce_hook=self._all_reduce_hook(),
-            reduce_scatter_comm=self.reduce_scatter_comm,
-            check=False,
-        )
-        if not comm.use_traced_path():
-            # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
-            # groups' gradients; the gradients reach .grad when it is finished (by the
-            # next group's reduction or at the end of backward), not through autograd.
-            reduce_queue.put(pending, lambda result: self._accumulate(indices, result))
-            return sharded_grads
-        result = finish_foreach_reduce(pending)
-        for i, grad in zip(indices, result.sharded_grads):
-            sharded_grads[i] = grad
-        return sharded_grads
-
-    def _accumulate(self, indices: list[int], result: ReduceResult) -> None:
-        """Eager: a finished reduction's gradients into the sharded parameters' ``.grad``."""
-        if result.sharded_grads is None:
-            self.eager.partial_reduce_output = result.partial_reduce_output
-            return
-        for i, grad in zip(indices, result.sharded_grads):
-            param = self.sharded_params[i]
-            # A zero-size parameter gets no gradient, as through autograd (see unshard_params).
-            if param.numel():
-                accumulate_sharded_grad(param, grad)
 
 
 def _shard_info(
