@@ -396,3 +396,18 @@ def reshard_to_subgroups(rank: int, world_size: int, group_size: int) -> dict[st
         result[name]["forward_group_sizes"] = forward_sizes
         result[name]["backward_group_sizes"] = backward_sizes
     return result
+
+
+# -- a mesh of one rank -----------------------------------------------------------------
+
+
+def single_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Training on a one-rank mesh (torchtitan grouping), and the eager c10d all-gathers
+    of one step: FSDP2 copies the shards straight into the unsharded parameters there."""
+    result = train_modes(uneven_transformer(), rank, world_size, titan_shard)
+    for name, fully_shard_fn in LIBRARIES:
+        model = titan_shard(uneven_transformer(), fully_shard_fn)
+        with all_gather_group_sizes() as sizes:
+            model.loss(*batch(0, rank, world_size, UNEVEN)).backward()
+        result[name]["all_gather_group_sizes"] = sizes
+    return result

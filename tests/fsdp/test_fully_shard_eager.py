@@ -11,6 +11,8 @@ from fsdp_traceable.cli.memory import peak_allocated_bytes
 from fsdp_traceable.fsdp import saved_unsharded
 from fsdp_traceable.models.transformer import TransformerConfig
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from tests.fsdp import parity_cases
+from tests.fsdp.feature_cases import assert_bitwise, run_cases
 from tests.fsdp.parity_utils import batch, make_models
 
 pytestmark = pytest.mark.gloo
@@ -151,3 +153,15 @@ def test_next_group_all_gather_issued_before_current_compute() -> None:
         assert [e for e in events if e[0] == "reduce_scatter"] == [
             ("reduce_scatter", f"block{i}") for i in reversed(range(n))
         ] + [("reduce_scatter", "root")]
+
+
+def test_one_rank_mesh_matches_fsdp2_bitwise_without_collectives() -> None:
+    [result] = run_on_local_ranks(run_cases, 1, [("single", parity_cases.single_rank, ())])
+    result = result["single"]
+    assert "error" not in result, result.get("error")
+    theirs, ours = result["theirs"], result["ours"]
+    assert ours["losses"] == theirs["losses"]
+    assert_bitwise(theirs["grads"], ours["grads"], "first-step gradients")
+    assert_bitwise(theirs["params"], ours["params"], "parameters")
+    # Neither library all-gathers over one rank; both copy the shard.
+    assert theirs["all_gather_group_sizes"] == ours["all_gather_group_sizes"] == []
