@@ -123,8 +123,13 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
     }
 
 
-def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str) -> dict:
+def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
+         cache_custom_autograd: bool = False) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    if cache_custom_autograd:
+        # AOTAutograd's cache refuses graphs holding an autograd.Function unless told
+        # they are safe to cache (fully_shard's all-gather is one).
+        env["TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD"] = "1"
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     root = pathlib.Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
@@ -152,6 +157,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steady steps timed after warm-up")
     parser.add_argument("--warm", action="store_true",
                         help="also rerun each configuration on its warm cache in a new process")
+    parser.add_argument("--cache-custom-autograd", action="store_true",
+                        help="let AOTAutograd's cache store graphs with autograd.Functions")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"
                                             / "compile_time_bench.json"))
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
@@ -168,16 +175,19 @@ def main() -> None:
             for config in args.configs:
                 cache_dir = os.path.join(tmp, f"{config}-{layers}")
                 row = {"config": config, "layers": layers, "dim": args.dim,
-                       "cold": _run(config, layers, args.dim, args.steps, cache_dir)}
+                       "cold": _run(config, layers, args.dim, args.steps, cache_dir,
+                                    args.cache_custom_autograd)}
                 if args.warm and "error" not in row["cold"]:
-                    row["warm"] = _run(config, layers, args.dim, args.steps, cache_dir)
+                    row["warm"] = _run(config, layers, args.dim, args.steps, cache_dir,
+                                       args.cache_custom_autograd)
                 rows.append(row)
                 cold = row["cold"]
                 if "error" in cold:
                     print(f"{config:16s} L={layers:3d}  FAILED: {cold['error']}", flush=True)
                     continue
                 warm = row.get("warm", {})
-                warm_text = (f"  warm first {warm['first_step_s']:7.2f} s"
+                warm_text = (f"  warm first {warm['first_step_s']:7.2f} s (process start to "
+                             f"first step end {warm['process_to_first_step_end_s']:6.2f} s)"
                              if "first_step_s" in warm else "")
                 print(f"{config:16s} L={layers:3d}  first {cold['first_step_s']:7.2f} s  "
                       f"steady {cold['steady_step_s'] * 1e3:7.1f} ms  graphs "
