@@ -110,6 +110,12 @@ def _recompute_all_gather_context():
     return create_selective_checkpoint_contexts(_recompute_all_gather_policy)
 
 
+# What AOTAutograd's cache keys a selective-checkpoint region on; without it every graph
+# holding a recomputed all-gather bypasses that cache, and a restarted process compiles
+# its graphs again.
+_recompute_all_gather_context.cache_hash = "fsdp_traceable.recompute_all_gather.v1"
+
+
 def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
                    *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return UnshardParams.apply(group, accumulated_indices, *inputs)

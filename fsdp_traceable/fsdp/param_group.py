@@ -229,10 +229,16 @@ class ParamGroup:
 
     def prefetch(self) -> None:
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
-        if not self.sharded_params:
+        if not self.sharded_params or self.compiled_on_its_own():
             return
         if self.eager.prefetched is None and self.eager.unsharded_for_backward is None:
             self.eager.prefetch(self.start_all_gather(), self._local_versions())
+
+    def compiled_on_its_own(self) -> bool:
+        """Whether a module of the group was compiled by itself (``module.compile()``, as
+        per-block compile does): its graph gathers the parameters, so an eager prefetch
+        from the module before it would never be used."""
+        return any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
 
     def _take_prefetched(self) -> PendingUnshard | None:
         """The prefetched all-gather, unless a parameter changed since it was issued."""

@@ -1,0 +1,236 @@
+"""First compiled step against model depth: whole-model compile, per-block compile,
+the unsharded model and torch FSDP2, each configuration in a fresh process.
+
+One process on the fake process group (world 2; its collectives move no data, compile
+work is the same as on real ranks), the built-in transformer at a small width, CPU.
+Every configuration runs in its own subprocess with its own empty
+``TORCHINDUCTOR_CACHE_DIR``, so no Dynamo, AOTAutograd or Inductor cache carries over.
+A step is forward + loss, backward, optimizer step (SGD). Configurations:
+
+* ``ours-whole``: fsdp_traceable, ``torch.compile(model.loss, fullgraph=True)``,
+  backward under compiled autograd (Inductor);
+* ``ours-blocks``: fsdp_traceable, ``block.compile(fullgraph=True)`` per block as
+  torchtitan does, backward under compiled autograd (Inductor);
+* ``ours-blocks-aot``: the same without compiled autograd (each block's AOTAutograd
+  backward);
+* ``unsharded-whole``: the same model unsharded, whole-model compile + compiled autograd;
+* ``fsdp2-blocks``: torch FSDP2 with ``block.compile()`` per block (its hooks run
+  eagerly; FSDP2 does not support compiled autograd).
+
+``--warm`` also reruns each configuration in a second process on the first one's
+(now warm) cache directory: a restart's first step against a steady step.
+
+Prints a table and writes JSON (default ``benchmarks/results/compile_time_bench.json``).
+
+Run: ``python benchmarks/compile_time_bench.py --layers 4 8 16 32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-aot", "unsharded-whole", "fsdp2-blocks")
+
+
+def _child(config: str, layers: int, dim: int, steps: int) -> dict:
+    """Runs ``config`` in this (fresh) process; returns its figures."""
+    start = time.perf_counter()
+    import contextlib
+    import statistics
+
+    import torch
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    import fsdp_traceable
+    from fsdp_traceable.models.transformer import (
+        Transformer,
+        TransformerConfig,
+        shard_transformer,
+    )
+    from fsdp_traceable.testing import track_compiles
+    from fsdp_traceable.testing.fake_world import fake_process_group
+
+    import_s = time.perf_counter() - start
+    # The fake group's all-gathers leave their outputs uninitialized: denormal garbage in
+    # the unsharded parameters would make steady steps arbitrarily slow. The flag is per
+    # thread, so compute runs on this one (compile workers are separate processes).
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    cfg = TransformerConfig(vocab_size=256, dim=dim, n_layers=layers, n_heads=4, max_seq_len=64)
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        if config.startswith("ours"):
+            shard_transformer(model, fsdp_traceable.fully_shard)
+        elif config.startswith("fsdp2"):
+            shard_transformer(model, fsdp2_fully_shard)
+        loss_fn = model.loss
+        if config.endswith("-whole"):
+            loss_fn = torch.compile(model.loss, fullgraph=True)
+        else:
+            for block in model.layers:
+                block.compile(fullgraph=config.startswith("ours"))
+        backward_context = contextlib.nullcontext
+        if config in ("ours-whole", "ours-blocks", "unsharded-whole"):
+            compiler = torch.compile(backend="inductor", fullgraph=True)
+
+            def backward_context():
+                return torch._dynamo.compiled_autograd._enable(compiler)
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(0)
+
+        def step() -> float:
+            tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=generator)
+            t0 = time.perf_counter()
+            loss = loss_fn(tokens, torch.roll(tokens, 1, dims=1))
+            with backward_context():
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return time.perf_counter() - t0
+
+        with track_compiles() as record:
+            first = step()
+            to_first_step_end = time.perf_counter() - start
+            step()  # warm-up of lazy state
+            steady = statistics.median(step() for _ in range(steps))
+    return {
+        "first_step_s": first,
+        "steady_step_s": steady,
+        "import_s": import_s,
+        "process_to_first_step_end_s": to_first_step_end,
+        "frame_compiles": len(record.frames),
+        "frames": sorted(set(f.name for f in record.frames)),
+        "unique_graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": record.graph_breaks.count,
+        "recompiles": [f"{f.name}: {f.recompile_reason}" for f in record.recompiles],
+        "compiled_autograd_captures": record.compiled_autograd_captures,
+        "inductor_cache": {k: v for k, v in counters["inductor"].items()
+                           if k.startswith(("fxgraph_cache", "aot_autograd"))},
+        "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
+                               if "cache" in k or "hit" in k or "miss" in k},
+    }
+
+
+def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
+         cache_custom_autograd: bool = False) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    if cache_custom_autograd:
+        # AOTAutograd's cache refuses graphs holding an autograd.Function unless told
+        # they are safe to cache (fully_shard's all-gather is one).
+        env["TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD"] = "1"
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", config, "--layers", str(layers), "--dim", str(dim),
+         "--steps", str(steps)],
+        env=env, capture_output=True, text=True,
+    )
+    wall = time.perf_counter() - start
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+        return {"error": "\n".join(tail), "process_wall_s": wall}
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["process_wall_s"] = wall
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5, help="steady steps timed after warm-up")
+    parser.add_argument("--warm", action="store_true",
+                        help="also rerun each configuration on its warm cache in a new process")
+    parser.add_argument("--cache-custom-autograd", action="store_true",
+                        help="let AOTAutograd's cache store graphs with autograd.Functions")
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"
+                                            / "compile_time_bench.json"))
+    parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(_child(args.child, args.layers[0], args.dim, args.steps)),
+              flush=True)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in args.layers:
+            # Configurations interleaved per depth, so a slow phase of a shared machine
+            # hits neighbouring figures alike; compare ratios within one run.
+            for config in args.configs:
+                cache_dir = os.path.join(tmp, f"{config}-{layers}")
+                row = {"config": config, "layers": layers, "dim": args.dim,
+                       "cold": _run(config, layers, args.dim, args.steps, cache_dir,
+                                    args.cache_custom_autograd)}
+                if args.warm and "error" not in row["cold"]:
+                    row["warm"] = _run(config, layers, args.dim, args.steps, cache_dir,
+                                       args.cache_custom_autograd)
+                rows.append(row)
+                cold = row["cold"]
+                if "error" in cold:
+                    print(f"{config:16s} L={layers:3d}  FAILED: {cold['error']}", flush=True)
+                    continue
+                warm = row.get("warm", {})
+                warm_text = (f"  warm first {warm['first_step_s']:7.2f} s (process start to "
+                             f"first step end {warm['process_to_first_step_end_s']:6.2f} s)"
+                             if "first_step_s" in warm else "")
+                print(f"{config:16s} L={layers:3d}  first {cold['first_step_s']:7.2f} s  "
+                      f"steady {cold['steady_step_s'] * 1e3:7.1f} ms  graphs "
+                      f"{cold['unique_graphs']:3d}  frames {cold['frame_compiles']:3d}  "
+                      f"breaks {cold['graph_breaks']}{warm_text}",
+                      flush=True)
+    summary = _ratios(rows)
+    for line in summary["lines"]:
+        print(line)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(), "cpus": os.cpu_count(),
+        "command": " ".join(sys.argv), "rows": rows, "ratios": summary["ratios"],
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def _ratios(rows: list[dict]) -> dict:
+    """First-step ratios: each configuration to the unsharded whole-model compile at the
+    same depth, and each configuration's growth from its smallest depth."""
+    first = {(r["config"], r["layers"]): r["cold"]["first_step_s"]
+             for r in rows if "first_step_s" in r["cold"]}
+    ratios, lines = {}, []
+    depths = sorted({layers for _, layers in first})
+    for config in dict.fromkeys(c for c, _ in first):
+        mine = {layers: first[(config, layers)] for layers in depths if (config, layers) in first}
+        base = min(mine)
+        entry = {
+            "vs_unsharded_whole": {layers: t / first[("unsharded-whole", layers)]
+                                   for layers, t in mine.items()
+                                   if ("unsharded-whole", layers) in first},
+            f"growth_from_L{base}": {layers: t / mine[base] for layers, t in mine.items()},
+        }
+        ratios[config] = entry
+        lines.append(f"{config:16s} vs unsharded-whole: " + ", ".join(
+            f"L={k} {v:.2f}x" for k, v in entry["vs_unsharded_whole"].items())
+            + f";  growth from L={base}: " + ", ".join(
+            f"L={k} {v:.2f}x" for k, v in entry[f"growth_from_L{base}"].items()))
+    return {"ratios": ratios, "lines": lines}
+
+
+if __name__ == "__main__":
+    main()
