@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fsdp_traceable.fsdp.gradient_reduction as gradient_reduction_module
 import fsdp_traceable.fsdp.param_group as param_group_module
 from fsdp_traceable.cli.memory import peak_allocated_bytes
 from fsdp_traceable.fsdp import saved_unsharded
@@ -103,7 +104,7 @@ def _order_body(rank: int, world_size: int) -> list[tuple[str, str]]:
     names.update({id(layer._fsdp_group.infos[0]): f"block{i}" for i, layer in enumerate(model.layers)})
     events: list[tuple[str, str]] = []
     original_gather = param_group_module.foreach_all_gather
-    original_reduce = param_group_module.start_foreach_reduce
+    original_reduce = gradient_reduction_module.start_foreach_reduce
 
     def gather(tensors, infos, *args, **kwargs):
         events.append(("all_gather", names[id(infos[0])]))
@@ -119,14 +120,14 @@ def _order_body(rank: int, world_size: int) -> list[tuple[str, str]]:
         layer.attention_norm.register_full_backward_pre_hook(
             lambda *_, i=i: events.append(("backward_compute_end", f"block{i}")))
     param_group_module.foreach_all_gather = gather
-    param_group_module.start_foreach_reduce = reduce
+    gradient_reduction_module.start_foreach_reduce = reduce
     try:
         for step in range(2):
             events.clear()
             model.loss(*batch(step, rank, world_size, CONFIG)).backward()
     finally:
         param_group_module.foreach_all_gather = original_gather
-        param_group_module.start_foreach_reduce = original_reduce
+        gradient_reduction_module.start_foreach_reduce = original_reduce
     return events
 
 
