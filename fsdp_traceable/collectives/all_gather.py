@@ -85,7 +85,9 @@ def foreach_all_gather(
         if all_gather_comm is not None:
             raise NotImplementedError(
                 "a custom all-gather (set_custom_all_gather) runs eagerly only: a compiled "
-                "graph all-gathers with functional collectives; unset it before compiling"
+                "graph all-gathers with functional collectives; unset it before compiling "
+                "(set_symm_mem_for_comm and set_allocate_memory_from_process_group_for_comm "
+                "set one too)"
             )
         flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
         return AllGatherResult(comm.all_gather(flat_input, group), tuple(infos), None)

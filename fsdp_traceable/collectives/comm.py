@@ -113,7 +113,8 @@ def start_reduce_scatter(
             raise NotImplementedError(
                 "a custom reduce-scatter (set_custom_reduce_scatter) runs eagerly only: a "
                 "compiled backward reduces with functional collectives; unset it before "
-                "compiling"
+                "compiling (set_symm_mem_for_comm and "
+                "set_allocate_memory_from_process_group_for_comm set one too)"
             )
         numel = flat_input.numel()
         comm_input = custom.allocate((numel,), dtype=flat_input.dtype, device=flat_input.device)

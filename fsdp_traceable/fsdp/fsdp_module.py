@@ -134,6 +134,9 @@ class FSDPModule(TorchFSDPModule):
     set_post_optim_event = module_settings.set_post_optim_event
     set_custom_all_gather = module_settings.set_custom_all_gather
     set_custom_reduce_scatter = module_settings.set_custom_reduce_scatter
+    set_symm_mem_for_comm = module_settings.set_symm_mem_for_comm
+    set_allocate_memory_from_process_group_for_comm = (
+        module_settings.set_allocate_memory_from_process_group_for_comm)
 
     def _get_fsdp_state(self) -> ForwardHooks:
         """What torch's ``register_fsdp_forward_method`` wrapper calls around a method."""

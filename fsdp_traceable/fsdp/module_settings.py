@@ -8,7 +8,7 @@ read (so a compiled graph guards on them and recompiles once when one changes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
@@ -239,3 +239,66 @@ def _check_comm(comm: Any, name: str) -> Any:
             f"{type(comm).__name__}"
         )
     return comm
+
+
+def set_allocate_memory_from_process_group_for_comm(self: FSDPModule, enable: bool) -> None:
+    """Eager, as FSDP2: this module's all-gather and reduce-scatter buffers come from the
+    process group's allocator where its backend has one (NCCL's memory pool), else from
+    ``torch.empty``; through FSDP2's own ``ProcessGroupAlloc*`` comms, so the collectives
+    and numbers are FSDP2's. A compiled graph allocates its own buffers: it raises while
+    on.
+
+    Args:
+        enable: whether to allocate from the process group.
+    """
+    check_bool("enable", enable)
+    all_gather_comm, reduce_scatter_comm = _fsdp2_comms(
+        "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter")
+    groups = groups_of(self, recurse=False)
+    _check_no_custom_comm(groups, "set_allocate_memory_from_process_group_for_comm",
+                          (all_gather_comm, reduce_scatter_comm))
+    for group in groups:
+        group.all_gather_comm = all_gather_comm(group.shard_group) if enable else None
+        group.reduce_scatter_comm = reduce_scatter_comm(group.shard_group) if enable else None
+
+
+def set_symm_mem_for_comm(self: FSDPModule, backend: Literal["NCCL"] = "NCCL") -> None:
+    """Eager, as FSDP2: this module's all-gather buffers (and, with sum-only comms, its
+    reduce-scatter buffers) come from symmetric memory, through FSDP2's own ``SymmMem*``
+    comms; where the backend is unavailable (no NCCL, e.g. on CPU) their constructor
+    raises, as under FSDP2. A compiled graph allocates its own buffers: it raises while
+    set.
+
+    Args:
+        backend: the symmetric-memory backend (FSDP2 supports ``"NCCL"``).
+    """
+    all_gather_comm, reduce_scatter_comm = _fsdp2_comms("SymmMemAllGather", "SymmMemReduceScatter")
+    groups = groups_of(self, recurse=False)
+    _check_no_custom_comm(groups, "set_symm_mem_for_comm", (all_gather_comm, reduce_scatter_comm))
+    for group in groups:
+        group.all_gather_comm = all_gather_comm(group.shard_group, backend)
+        if group.force_sum_reduction:  # NCCL's symmetric reduce-scatter only sums
+            group.reduce_scatter_comm = reduce_scatter_comm(group.shard_group, backend)
+
+
+def _fsdp2_comms(*names: str) -> list[type]:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    missing = [name for name in names if not hasattr(_fsdp_collectives, name)]
+    if missing:
+        raise NotImplementedError(
+            f"this setter uses FSDP2's {', '.join(missing)}, which torch {torch.__version__} "
+            "does not have; upgrade torch"
+        )
+    return [getattr(_fsdp_collectives, name) for name in names]
+
+
+def _check_no_custom_comm(groups: list[ParamGroup], method: str, allowed: tuple[type, ...]) -> None:
+    for group in groups:
+        for comm, setter in ((group.all_gather_comm, "set_custom_all_gather"),
+                             (group.reduce_scatter_comm, "set_custom_reduce_scatter")):
+            if comm is not None and not isinstance(comm, allowed):
+                raise ValueError(
+                    f"{method}() replaces the comm that {setter}() set "
+                    f"({type(comm).__name__}); FSDP2 does not combine them either: use one"
+                )

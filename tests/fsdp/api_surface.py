@@ -52,6 +52,10 @@ DIFFERENCES = {
     "set_post_optim_event": "eager: the next copy-in of every group below waits on the event; a "
                             "compiled graph's all-gathers already follow the optimizer on "
                             "the current stream",
+    "set_allocate_memory_from_process_group_for_comm": "eager, through FSDP2's own comms; "
+        "raises under `torch.compile` (Inductor allocates the buffers there)",
+    "set_symm_mem_for_comm": "eager, through FSDP2's own comms (raising as FSDP2 where the "
+                             "backend is unavailable); raises under `torch.compile`",
     "set_custom_all_gather": "eager; raises under `torch.compile` (functional collectives "
                              "there)",
     "set_custom_reduce_scatter": "eager; raises under a compiled backward; our copy-in is "
@@ -65,9 +69,6 @@ DIFFERENCES = {
 # Why a missing name is missing (default: it reads FSDP2's internal state).
 MISSING_BECAUSE = {
     "DataParallelMeshDims": "FSDP2's mesh-dims description is not accepted yet",
-    "set_allocate_memory_from_process_group_for_comm": "NCCL memory-pool buffers: our "
-        "collectives allocate from the caching allocator (and Inductor, compiled)",
-    "set_symm_mem_for_comm": "NCCL symmetric memory: not used by our collectives",
 }
 _DEFAULT_MISSING = "not implemented yet; raises `NotImplementedError`"
 

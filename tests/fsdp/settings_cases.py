@@ -248,3 +248,18 @@ def custom_comms(rank: int, world_size: int) -> dict[str, Any]:
             "reduce_scatter_allocations": reduce_scatter.allocations,
         }
     return result
+
+
+def process_group_allocation(rank: int, world_size: int) -> dict[str, Any]:
+    """``set_allocate_memory_from_process_group_for_comm(True)`` on every module (gloo has
+    no allocator of its own: plain buffers), and ``set_symm_mem_for_comm()``, which needs
+    NCCL: the error each library raises on CPU."""
+    result = _train_both_with(_on_every_module(
+        "set_allocate_memory_from_process_group_for_comm", True), rank, world_size)
+    for name, model in zip(("theirs", "ours"), shard_copies(seeded_transformer())):
+        try:
+            model.set_symm_mem_for_comm()
+            result[name]["symm_mem_error"] = None
+        except Exception as error:  # noqa: BLE001 - the error itself is the result
+            result[name]["symm_mem_error"] = f"{type(error).__name__}: {error}"
+    return result

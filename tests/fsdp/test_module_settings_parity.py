@@ -22,6 +22,7 @@ TWO_RANK_CASES = [
     ("explicit_prefetch", settings_cases.explicit_prefetch, ()),
     ("unshard_in_backward", settings_cases.unshard_in_backward_off, ()),
     ("custom_comms", settings_cases.custom_comms, ()),
+    ("process_group_allocation", settings_cases.process_group_allocation, ()),
 ]
 FOUR_RANK_CASES = [
     ("hsdp_skip_all_reduce", settings_cases.hsdp_all_reduce_every_other, ()),
@@ -50,7 +51,8 @@ def _assert_same_training(result: dict[str, Any]) -> None:
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", ["divide_shard_size", "divide_custom_sum", "force_sum",
                                   "unused_reduced", "all_reduce_hook", "explicit_prefetch",
-                                  "unshard_in_backward", "custom_comms"])
+                                  "unshard_in_backward", "custom_comms",
+                                  "process_group_allocation"])
 def test_two_ranks_train_like_fsdp2(two_ranks, name: str) -> None:
     for result in case_results(two_ranks, name):
         _assert_same_training(result)
@@ -79,6 +81,10 @@ def test_settings_have_their_effect(two_ranks) -> None:
         # FSDP2 allocates input and output per reduce-scatter, as ours does
         assert counts["reduce_scatter_calls"] == result["theirs"]["counts"]["reduce_scatter_calls"]
         assert counts["reduce_scatter_allocations"] == 2 * counts["reduce_scatter_calls"]
+    for result in case_results(two_ranks, "process_group_allocation"):
+        # FSDP2's symmetric-memory comm, built by both libraries, refuses a CPU machine
+        assert result["ours"]["symm_mem_error"] == result["theirs"]["symm_mem_error"]
+        assert result["ours"]["symm_mem_error"].startswith("RuntimeError")
     for result in case_results(two_ranks, "deprecated_divide"):
         assert result["warnings"]["ours"] == result["warnings"]["theirs"] == ["DeprecationWarning"]
         assert result["factor"] == 2.0
