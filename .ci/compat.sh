@@ -13,14 +13,16 @@ VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.11.0 2.14.1)
 
 # Ops and their fake impls, fully_shard eager and compile + compiled autograd against
-# FSDP2 on a small model (2 gloo ranks: the collectives' eager and traced paths), and the
-# graph-break, recompile and compiled-structure tests.
+# FSDP2 on a small model (2 gloo ranks: the collectives' eager and traced paths), a
+# float8-style weight's all-gather hooks traced by Dynamo against FSDP2 calling them,
+# and the graph-break, recompile and compiled-structure tests.
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
 SUBSET=(
   tests/collectives/test_ops.py
   "$FULLY_SHARD[2-eager-adamw]"
   "$FULLY_SHARD[2-compile-ca-sgd]"
   compile_tests/test_fully_shard_compile.py
+  compile_tests/test_all_gather_extensions_compile.py
   compile_tests/test_graph_breaks.py
   compile_tests/test_recompiles.py
 )
