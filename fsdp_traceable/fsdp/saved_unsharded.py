@@ -6,69 +6,119 @@ a view of it) with ``(group, index, view geometry)``. The unpack hook asks the g
 for its parameters again, which all-gathers them once for the whole backward of the
 group, and rebuilds the view. The unsharded parameters are therefore freed as soon
 as forward no longer references them.
+
+An all-gather extension's unsharded parameter is a wrapper subclass (e.g. a float8
+weight: 1-byte data plus a scale). A saved tensor of such a subclass (the parameter,
+or one derived from it, such as its transpose) has each inner tensor that lives in
+one of the parameter's inner tensors swapped for a token the same way, and is rebuilt
+with ``__tensor_unflatten__`` around the re-gathered inner tensors.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
 
-# storage data_ptr -> (group, parameter index) of every unsharded parameter alive in
-# an eager forward that reshards after forward.
-_live_unsharded: dict[int, tuple[ParamGroup, int, torch.dtype]] = {}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# storage data_ptr -> (group, parameter index, dtype, inner attribute or None) of every
+# unsharded parameter (or inner tensor of one) alive in an eager forward that reshards
+# after forward.
+_live_unsharded: dict[int, tuple[ParamGroup, int, torch.dtype, str | None]] = {}
 
 
 class _SavedUnshardedView(NamedTuple):
     group: ParamGroup
     index: int
+    attr: str | None  # the inner tensor of a wrapper-subclass parameter, or None
     size: torch.Size
     stride: tuple[int, ...]
     storage_offset: int
 
 
-# A wrapper subclass (an all-gather extension's unsharded parameter) has no storage of
-# its own to match: autograd saves it as it is.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+class _SavedSubclass(NamedTuple):
+    cls: type
+    flatten_context: Any
+    size: torch.Size
+    stride: tuple[int, ...]
+    inner: dict[str, Any]  # attribute -> token, or the inner tensor itself
 
 
-def _has_own_storage(tensor: torch.Tensor) -> bool:
-    return tensor.numel() > 0 and type(tensor) in _PLAIN
+def _storage_tensors(tensor: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
+    """``tensor`` itself if it has storage, else its inner tensors that have."""
+    if type(tensor) in _PLAIN:
+        return [(None, tensor)] if tensor.numel() > 0 else []
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    attrs, _ = flatten()
+    inner = [(attr, getattr(tensor, attr)) for attr in attrs]
+    return [(attr, t) for attr, t in inner if type(t) in _PLAIN and t.numel() > 0]
 
 
 def register(group: ParamGroup, unsharded: list[torch.Tensor]) -> None:
     for index, tensor in enumerate(unsharded):
-        if _has_own_storage(tensor):
-            _live_unsharded[tensor.untyped_storage().data_ptr()] = (group, index, tensor.dtype)
+        for attr, storage_tensor in _storage_tensors(tensor):
+            _live_unsharded[storage_tensor.untyped_storage().data_ptr()] = (
+                group, index, storage_tensor.dtype, attr)
 
 
 def unregister(unsharded: list[torch.Tensor]) -> None:
     for tensor in unsharded:
-        if _has_own_storage(tensor):
-            _live_unsharded.pop(tensor.untyped_storage().data_ptr(), None)
+        for _, storage_tensor in _storage_tensors(tensor):
+            _live_unsharded.pop(storage_tensor.untyped_storage().data_ptr(), None)
+
+
+def _token(tensor: torch.Tensor) -> _SavedUnshardedView | None:
+    """The token for a plain strided ``tensor`` living in an unsharded parameter."""
+    if tensor.layout != torch.strided:
+        return None
+    entry = _live_unsharded.get(tensor.untyped_storage().data_ptr())
+    if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
+        return None
+    group, index, _, attr = entry
+    return _SavedUnshardedView(
+        group, index, attr, tensor.size(), tensor.stride(), tensor.storage_offset()
+    )
 
 
 def _pack(tensor: torch.Tensor) -> object:
     # Runs for every tensor autograd saves: the common miss costs one storage lookup.
-    if type(tensor) not in _PLAIN or tensor.layout != torch.strided:
+    if type(tensor) in _PLAIN:
+        token = _token(tensor)
+        return tensor if token is None else token
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None or not _live_unsharded:
         return tensor
-    entry = _live_unsharded.get(tensor.untyped_storage().data_ptr())
-    if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
+    attrs, context = flatten()
+    inner = {attr: getattr(tensor, attr) for attr in attrs}
+    tokens = {attr: _token(t) if type(t) in _PLAIN else None for attr, t in inner.items()}
+    if all(token is None for token in tokens.values()):
         return tensor
-    group, index, _ = entry
-    return _SavedUnshardedView(
-        group, index, tensor.size(), tensor.stride(), tensor.storage_offset()
-    )
+    return _SavedSubclass(type(tensor), context, tensor.size(), tensor.stride(),
+                          {attr: tokens[attr] or inner[attr] for attr in attrs})
+
+
+def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
+    base = saved.group.unsharded_for_backward()[saved.index]
+    if saved.attr is not None:
+        base = getattr(base, saved.attr)
+    return base.as_strided(saved.size, saved.stride, saved.storage_offset)
 
 
 def _unpack(saved: object) -> torch.Tensor:
-    if not isinstance(saved, _SavedUnshardedView):
-        return saved
-    base = saved.group.unsharded_for_backward()[saved.index]
-    return base.as_strided(saved.size, saved.stride, saved.storage_offset)
+    if isinstance(saved, _SavedUnshardedView):
+        return _rebuild(saved)
+    if isinstance(saved, _SavedSubclass):
+        inner = {attr: _rebuild(value) if isinstance(value, _SavedUnshardedView) else value
+                 for attr, value in saved.inner.items()}
+        return saved.cls.__tensor_unflatten__(inner, saved.flatten_context, saved.size,
+                                              saved.stride)
+    return saved
 
 
 def hooks() -> torch.autograd.graph.saved_tensors_hooks:
