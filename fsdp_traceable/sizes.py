@@ -60,3 +60,13 @@ def padded_sharded_size(global_size: Sequence[int], shard_dim: int, world_size: 
     size = list(global_size)
     size[shard_dim] = ceil_div(size[shard_dim], world_size)
     return size
+
+
+def contiguous_strides(size: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size`` (as torch's, 1 for empty dims), in
+    plain Python that Dynamo traces on every torch (2.11 skips a helper of torch's own)."""
+    strides, multiplier = [], 1
+    for length in reversed(size):
+        strides.append(multiplier)
+        multiplier *= max(length, 1)
+    return tuple(reversed(strides))

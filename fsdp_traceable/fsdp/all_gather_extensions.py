@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..collectives import AllGatherResult, ShardInfo
+from ..sizes import contiguous_strides
 
 _PRE_HOOK_SIGNATURE = (
     "fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
@@ -56,6 +56,11 @@ class AllGatherExtension:
     shard_mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
     module: nn.Module | None = None
+    # The unsharded parameter's contiguous stride, computed once.
+    global_stride: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.global_stride = contiguous_strides(self.info.global_size)
 
     def pre_all_gather(self, local: torch.Tensor) -> tuple[list[torch.Tensor], object]:
         """Calls the pre hook on ``local``; returns its all-gather inputs and metadata."""
@@ -63,9 +68,8 @@ class AllGatherExtension:
             inputs, metadata = self.pre_hook(local, self.shard_mesh)
         else:
             inputs, metadata = self.pre_hook(
-                local, self.shard_mesh, self.info.global_size,
-                make_contiguous_strides_for(self.info.global_size), self.module,
-                self.mp_policy,
+                local, self.shard_mesh, self.info.global_size, self.global_stride,
+                self.module, self.mp_policy,
             )
         inputs = list(inputs)
         padded = self.info.padded_sharded_size
@@ -83,9 +87,8 @@ class AllGatherExtension:
     ) -> torch.Tensor:
         """Calls the post hook; returns the unsharded parameter at its original size."""
         unsharded, _ = self.post_hook(local, tuple(outputs), metadata, self.info.param_dtype)
-        size = self.info.global_size
-        stride = make_contiguous_strides_for(size)
-        if unsharded.size() != size or unsharded.stride() != tuple(stride):
+        size, stride = self.info.global_size, self.global_stride
+        if unsharded.size() != size or unsharded.stride() != stride:
             unsharded = torch.as_strided(unsharded, size, stride, storage_offset=0)
         return unsharded
 
@@ -111,7 +114,7 @@ class AllGatherExtension:
         return ShardInfo(
             global_size=global_size, shard_dim=info.shard_dim, world_size=info.world_size,
             rank=info.rank, sharded_size=sharded, padded_sharded_size=sharded,
-            contiguous_sharded_stride=tuple(make_contiguous_strides_for(sharded)),
+            contiguous_sharded_stride=contiguous_strides(sharded),
             param_dtype=dtype, reduce_dtype=dtype, orig_dtype=dtype,
         )
 
