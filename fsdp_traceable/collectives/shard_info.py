@@ -6,9 +6,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 
-from ..sizes import ceil_div
+from ..sizes import ceil_div, contiguous_strides
 
 # Dtypes gloo and NCCL can all-gather and reduce; anything else is rejected up front.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -134,7 +133,7 @@ def make_shard_info(
         rank=rank,
         sharded_size=sharded_size,
         padded_sharded_size=padded_sharded_size,
-        contiguous_sharded_stride=tuple(make_contiguous_strides_for(sharded_size)),
+        contiguous_sharded_stride=contiguous_strides(sharded_size),
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         orig_dtype=orig_dtype,

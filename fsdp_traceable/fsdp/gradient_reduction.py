@@ -101,6 +101,7 @@ def reduce_grads(
         sharded_grads[i] = grad
     return sharded_grads
 
+
 def _accumulate(group: ParamGroup, indices: list[int], result: ReduceResult) -> None:
     """Eager: a finished reduction's gradients into the sharded parameters' ``.grad``."""
     if result.sharded_grads is None:
