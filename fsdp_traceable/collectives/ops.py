@@ -5,8 +5,7 @@ no outputs aliasing inputs. Each is defined with ``Library.define`` and a
 ``CompositeImplicitAutograd`` implementation written in plain aten ops, so
 
 * eager runs the aten ops directly: :func:`call` skips the op's own dispatcher hop
-  there (about 25 us of argument conversion per call, as much as the copies of a
-  small bucket cost),
+  there (its argument conversion costs as much as the copies of a small bucket),
 * FakeTensor / Meta propagation runs the same decomposition (that is the fake impl),
 * under ``torch.compile`` AOTAutograd decomposes the op and Inductor fuses the whole
   copy into a single kernel per bucket, while Dynamo-level graph dumps still show
