@@ -15,7 +15,10 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
   backward);
 * ``unsharded-whole``: the same model unsharded, whole-model compile + compiled autograd;
 * ``fsdp2-blocks``: torch FSDP2 with ``block.compile()`` per block (its hooks run
-  eagerly; FSDP2 does not support compiled autograd).
+  eagerly; FSDP2 does not support compiled autograd);
+* ``unsharded-regions``: ``unsharded-whole`` with each block's forward marked
+  ``torch.compiler.nested_compile_region`` (torch's way to compile a repeated block
+  once); it records torch's error where compiled autograd cannot trace the regions.
 
 ``--warm`` also reruns each configuration in a second process on the first one's
 (now warm) cache directory: a restart's first step against a steady step.
@@ -33,12 +36,14 @@ import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import tempfile
 import time
 
-CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-aot", "unsharded-whole", "fsdp2-blocks")
+CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-aot", "unsharded-whole", "fsdp2-blocks",
+           "unsharded-regions")
 
 
 def _child(config: str, layers: int, dim: int, steps: int) -> dict:
@@ -54,6 +59,7 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
     import fsdp_traceable
     from fsdp_traceable.models.transformer import (
         Transformer,
+        TransformerBlock,
         TransformerConfig,
         shard_transformer,
     )
@@ -75,13 +81,17 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
         elif config.startswith("fsdp2"):
             shard_transformer(model, fsdp2_fully_shard)
         loss_fn = model.loss
-        if config.endswith("-whole"):
+        if config == "unsharded-regions":
+            # On the class: one region function shared by every block (this process only).
+            TransformerBlock.forward = torch.compiler.nested_compile_region(
+                TransformerBlock.forward)
+        if config.endswith(("-whole", "-regions")):
             loss_fn = torch.compile(model.loss, fullgraph=True)
         else:
             for block in model.layers:
                 block.compile(fullgraph=config.startswith("ours"))
         backward_context = contextlib.nullcontext
-        if config in ("ours-whole", "ours-blocks", "unsharded-whole"):
+        if config in ("ours-whole", "ours-blocks", "unsharded-whole", "unsharded-regions"):
             compiler = torch.compile(backend="inductor", fullgraph=True)
 
             def backward_context():
@@ -142,11 +152,20 @@ def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
     wall = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-        return {"error": "\n".join(tail), "process_wall_s": wall}
+        return {"error": _error_summary(proc.stderr or proc.stdout), "process_wall_s": wall}
     result = json.loads(lines[-1][len("RESULT "):])
     result["process_wall_s"] = wall
     return result
+
+
+def _error_summary(output: str) -> str:
+    """The exception line and Dynamo's explanation, else the output's last lines."""
+    lines = [re.sub(r"^\[rank\d+\]:", "", line).strip()
+             for line in output.strip().splitlines()]
+    picked = [line for line in lines[-60:]
+              if re.match(r"^[\w.]+(Error|Exception|Unsupported): ", line)
+              or line.startswith("Explanation:")]
+    return "\n".join(picked or lines[-8:])
 
 
 def main() -> None:
