@@ -23,7 +23,9 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 ``--warm`` also reruns each configuration in a second process on the first one's
 (now warm) cache directory: a restart's first step against a steady step.
 
-Prints a table and writes JSON (default ``benchmarks/results/compile_time_bench.json``).
+Prints a table and writes JSON (default ``benchmarks/results/compile_time_bench.json``)
+and, with matplotlib installed (``pip install -e '.[bench]'``), a plot of the first step
+against depth next to it (``--replot`` redraws it from the JSON alone).
 
 Run: ``python benchmarks/compile_time_bench.py --layers 4 8 16 32``.
 """
@@ -180,8 +182,13 @@ def main() -> None:
                         help="let AOTAutograd's cache store graphs with autograd.Functions")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"
                                             / "compile_time_bench.json"))
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the plot from the JSON at --out")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.replot:
+        print(f"wrote {_plot(json.loads(pathlib.Path(args.out).read_text()), args.out)}")
+        return
     if args.child:
         print("RESULT " + json.dumps(_child(args.child, args.layers[0], args.dim, args.steps)),
               flush=True)
@@ -225,6 +232,41 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
+    png = _plot(report, args.out)
+    if png:
+        print(f"wrote {png}")
+
+
+def _plot(report: dict, json_path: str) -> str | None:
+    """Draws each configuration's first step against depth; returns the PNG's path, or
+    None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for config in dict.fromkeys(r["config"] for r in report["rows"]):
+        points = sorted((r["layers"], r["cold"]["first_step_s"]) for r in report["rows"]
+                        if r["config"] == config and "first_step_s" in r["cold"])
+        if points:
+            ax.plot(*zip(*points), marker="o", label=config)
+    depths = sorted({r["layers"] for r in report["rows"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("transformer blocks")
+    ax.set_ylabel("first step, empty caches (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"First compiled step against depth ({report['date'][:10]})")
+    fig.tight_layout()
+    png = str(pathlib.Path(json_path).with_suffix(".png"))
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
 
 
 def _ratios(rows: list[dict]) -> dict:
