@@ -5,17 +5,17 @@ Identical blocks share one compiled forward graph: Dynamo reaches each block's s
 parameters through its module (graph inputs, not constants) and guards on nothing
 that differs between blocks, so compile work stays constant in depth. Each block's
 graph holds its group's all-gather (and, in backward, the reduce-scatter and the
-re-gather of reshard-after-forward).
+re-gather of reshard-after-forward). Compiled autograd pastes each block's backward
+as one call of a shared region (``fsdp_traceable.backward_regions``), so the backward
+is traced and compiled once too, with every block's collectives outside the region.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
+from collections import Counter
 
 import torch
-import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fsdp_traceable
@@ -24,7 +24,7 @@ from fsdp_traceable.models.transformer import (
     TransformerConfig,
     shard_transformer,
 )
-from fsdp_traceable.testing import track_compiles
+from fsdp_traceable.testing import count_collectives, track_compiles
 
 
 def _config(n_layers: int) -> TransformerConfig:
@@ -78,33 +78,59 @@ def test_one_block_graph_for_any_depth(fake_world: None) -> None:
         assert all(block._fsdp_group.eager.prefetched is None for block in model.layers)
 
 
-@contextlib.contextmanager
-def _one_gloo_rank(tmp_path) -> Iterator[None]:
-    """A real one-rank gloo group: the fake group's collectives carry no data."""
-    store = dist.FileStore(os.path.join(tmp_path, "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    torch._dynamo.reset()
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
+def _region_calls(gm: torch.fx.GraphModule) -> list[str]:
+    """The subgraph each ``invoke_subgraph`` of ``gm`` calls, in order."""
+    return [str(n.args[0].target) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
 
 
-def test_per_block_compile_matches_eager(tmp_path) -> None:
-    with _one_gloo_rank(tmp_path):
-        eager, compiled = _model(2), _model(2)
-        forward = CompileCounterWithBackend("aot_eager")
-        _compile_blocks(compiled, forward)
-        expected = _train(eager, 2)
-        with track_compiles() as record:
-            # Backward: compiled autograd's one graph for the whole model.
-            losses = _train(compiled, 2, torch.compile(backend="aot_eager", fullgraph=True))
-        assert forward.frame_count == 1
-        assert record.recompiles == []
-        assert record.graph_breaks.count == 0, record.graph_breaks.reasons
-        assert record.compiled_autograd_captures == 1
-        torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
-        for ours, reference in zip(compiled.parameters(), eager.parameters()):
-            torch.testing.assert_close(ours.full_tensor(), reference.full_tensor(),
-                                       rtol=0, atol=1e-5)
+def test_compiled_autograd_traces_one_block_backward(fake_world: None) -> None:
+    n_layers = 3
+    model = _model(n_layers)
+    _compile_blocks(model, "aot_eager")
+    backward = CompileCounterWithBackend("aot_eager")
+    with track_compiles() as record:
+        _train(model, 2, torch.compile(backend=backward, fullgraph=True))
+    assert record.graph_breaks.count == 0, record.graph_breaks.reasons
+    assert record.recompiles == []
+    (graph,) = backward.graphs
+    # Every block calls the one region: Dynamo traced the block backward once.
+    calls = _region_calls(graph)
+    assert len(calls) == n_layers and len(set(calls)) == 1
+    region = getattr(graph, calls[0])
+    assert count_collectives(region) == Counter()
+    # The collectives are all in the outer graph: each block's re-gather and
+    # reduce-scatter, and the root's reduce-scatter.
+    assert count_collectives(graph) == Counter(
+        all_gather=n_layers, reduce_scatter=n_layers + 1, wait=2 * n_layers + 1)
+
+
+def test_without_backward_regions_every_block_backward_is_pasted(fake_world: None) -> None:
+    model = _model(2)
+    _compile_blocks(model, "aot_eager")
+    backward = CompileCounterWithBackend("aot_eager")
+    with fsdp_traceable.config.patch(backward_regions=False):
+        _train(model, 1, torch.compile(backend=backward, fullgraph=True))
+    (graph,) = backward.graphs
+    assert _region_calls(graph) == []
+    assert count_collectives(graph)["reduce_scatter"] == 3
+
+
+def test_per_block_compile_matches_eager(one_gloo_rank: None) -> None:
+    eager, compiled = _model(2), _model(2)
+    forward = CompileCounterWithBackend("aot_eager")
+    _compile_blocks(compiled, forward)
+    expected = _train(eager, 2)
+    backward = CompileCounterWithBackend("aot_eager")
+    with track_compiles() as record:
+        # Backward: compiled autograd's one graph for the whole model.
+        losses = _train(compiled, 2, torch.compile(backend=backward, fullgraph=True))
+    assert forward.frame_count == 1
+    assert record.recompiles == []
+    assert record.graph_breaks.count == 0, record.graph_breaks.reasons
+    assert record.compiled_autograd_captures == 1
+    assert len(_region_calls(backward.graphs[0])) == 2  # the blocks' backward: regions
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
+    for ours, reference in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.full_tensor(), reference.full_tensor(),
+                                   rtol=0, atol=1e-5)

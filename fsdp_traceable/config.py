@@ -11,6 +11,11 @@
     decomposition (fused by Inductor under compile); ``"foreach"`` uses
     ``torch._foreach_copy_``-style kernels in eager; ``"triton"`` the fused kernels
     from ``triton_kernels``.
+``backward_regions``: under compiled autograd, paste the AOT backward of each group
+    compiled on its own (per-block compile) as one call of a nested compile region,
+    so identical blocks share one traced and compiled backward (see
+    :mod:`fsdp_traceable.backward_regions`). ``False`` pastes every block's backward
+    node by node, as torch does.
 ``max_bucket_bytes``: the largest all-gather output or reduce-scatter input one bucket
     (one ``fully_shard`` group) may plan, in bytes; larger buckets are rejected at
     ``fully_shard`` time and before any allocation in the collectives. The default,
@@ -24,6 +29,7 @@ from torch.utils._config_module import install_config_module
 
 collectives_path: str = "auto"
 copy_kernels: str = "auto"
+backward_regions: bool = True
 max_bucket_bytes: int = 2**31 - 1
 
 install_config_module(sys.modules[__name__])

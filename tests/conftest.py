@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_traceable.collectives import comm
@@ -25,6 +26,20 @@ def fake_world() -> Iterator[None]:
     before and after."""
     with fake_process_group(2):
         yield
+
+
+@pytest.fixture
+def one_gloo_rank(tmp_path: Path) -> Iterator[None]:
+    """A real one-rank gloo default group, with Dynamo reset before and after: its
+    collectives move data (the fake group's do not), in this process."""
+    store = dist.FileStore(str(tmp_path / "gloo_store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
 
 
 @pytest.fixture

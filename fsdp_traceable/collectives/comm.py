@@ -61,7 +61,8 @@ def wait(pending: PendingTensor) -> torch.Tensor:
     return pending.tensor
 
 
-def _group_name(group: dist.ProcessGroup) -> str:
+def group_name(group: dist.ProcessGroup) -> str:
+    """The name functional collectives address ``group`` by."""
     return funcol._resolve_group_name(group)
 
 
@@ -72,7 +73,7 @@ def all_gather(flat_input: torch.Tensor, group: dist.ProcessGroup) -> PendingTen
         # right away, which would serialise the all-gather with the compute the
         # caller runs before copy-out. The wait is in :func:`wait`.
         output = torch.ops._c10d_functional.all_gather_into_tensor(
-            flat_input, group.size(), _group_name(group)
+            flat_input, group.size(), group_name(group)
         )
         return PendingTensor(output, None)
     output = flat_input.new_empty(flat_input.numel() * group.size())
@@ -126,7 +127,7 @@ def start_reduce_scatter(
     if use_traced_path():
         # The raw op; the wait is in :func:`wait` (funcol's wrappers wait while tracing).
         output = torch.ops._c10d_functional.reduce_scatter_tensor(
-            flat_input, op, group.size(), _group_name(group)
+            flat_input, op, group.size(), group_name(group)
         )
         return PendingTensor(output, None)
     output = flat_input.new_empty(flat_input.numel() // group.size())
@@ -138,7 +139,7 @@ def start_reduce_scatter(
 def all_reduce(tensor: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
     """All-reduces ``tensor`` out of place with ``op`` and waits."""
     if use_traced_path():
-        output = torch.ops._c10d_functional.all_reduce(tensor, op, _group_name(group))
+        output = torch.ops._c10d_functional.all_reduce(tensor, op, group_name(group))
         return funcol.wait_tensor(output)
     output = tensor.clone()
     dist.all_reduce(output, op=_C10D_OPS[op], group=group)

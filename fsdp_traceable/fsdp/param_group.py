@@ -29,6 +29,7 @@ from .all_gather_extensions import (
     detect_extension,
     unsharded_from_outputs,
 )
+from . import block_backward
 from .arguments import shard_placement
 from .eager_state import EagerState
 from .post_forward import PostForwardResharding
@@ -61,6 +62,7 @@ class ParamGroup:
         self.device_type = mesh.device_type
         self.is_hsdp = mesh.ndim == 2
         self.shard_group = mesh.get_group(mesh.ndim - 1)
+        block_backward.register(self.shard_group)
         self.replicate_group = mesh.get_group(0) if self.is_hsdp else None
         self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
         self.device = _get_device_from_mesh(mesh)

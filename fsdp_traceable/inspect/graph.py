@@ -20,22 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..fx_ops import is_collective, namespace_and_name, node_kind, op_name
 from .inductor_code import collective_kind
 
 __all__ = ["CollectiveNode", "collective_kinds", "collective_nodes", "collective_sequence"]
-
-_VIEW_OPS = {
-    "view", "_unsafe_view", "reshape", "as_strided", "slice", "t", "permute", "expand",
-    "alias", "squeeze", "unsqueeze", "split", "split_with_sizes", "narrow", "select",
-    "transpose", "unflatten", "flatten", "chunk", "unbind", "view_as",
-}
-_COPY_OPS = {
-    "cat", "clone", "_chunk_cat", "split_with_sizes_copy", "constant_pad_nd",
-    "convert_element_type", "_to_copy", "to", "copy", "contiguous", "full", "zeros",
-    "new_zeros", "empty",
-}
-_LIBRARY_NAMESPACES = ("fsdp_traceable", "fsdp_traceable_triton")
-
 
 @dataclass(frozen=True)
 class CollectiveNode:
@@ -52,39 +40,13 @@ class CollectiveNode:
     output_bytes: int
 
 
-def _namespace_and_name(target: object) -> tuple[str, str] | None:
-    """``("aten", "cat")`` for ``aten.cat.default`` or the packet ``aten.cat``."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace, target._opname
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        namespace, _, name = target._qualified_op_name.partition("::")
-        return namespace, name
-    return None
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    target = node.target
-    if target is operator.getitem:
-        return "getitem"
-    qualified = _namespace_and_name(target)
-    if qualified is not None:
-        namespace, name = qualified
-        return f"{namespace}.{name}" if namespace in _LIBRARY_NAMESPACES else name
-    return getattr(target, "__name__", str(target))
-
-
 def _collective_kind(node: torch.fx.Node) -> str | None:
     """The kind of a functional-collective node (``"wait"`` included), else ``None``."""
     if node.op != "call_function":
         return None
-    qualified = _namespace_and_name(node.target)
-    if qualified is None or not qualified[0].startswith("_c10d_functional"):
+    if not is_collective(node):
         return None
-    return collective_kind(qualified[1])
-
-
-def _is_collective(node: torch.fx.Node) -> bool:
-    return _collective_kind(node) is not None
+    return collective_kind(namespace_and_name(node.target)[1])
 
 
 def _value(node: torch.fx.Node):
@@ -103,17 +65,6 @@ def _tensor_count(value) -> int:
     return len(value) if isinstance(value, (list, tuple)) else 1
 
 
-def _kind_of(node: torch.fx.Node) -> str:
-    name = _op_name(node)
-    if node.op != "call_function":
-        return "other"
-    if name in _VIEW_OPS or name == "getitem":
-        return "view"
-    if name in _COPY_OPS or name.startswith(_LIBRARY_NAMESPACES):
-        return "copy"
-    return "other"
-
-
 def _copy_chain_before(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The copy ops that produce ``node``'s tensor input, through views."""
     return _copy_chain(node.all_input_nodes[:1], node.graph, lambda n: n.all_input_nodes)
@@ -126,7 +77,7 @@ def _copy_chain_after(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 def _feeds_copy(node: torch.fx.Node) -> bool:
     """Whether a copy op reads ``node``'s output, directly or through views."""
-    return any(_kind_of(user) == "copy" or (_kind_of(user) == "view" and _feeds_copy(user))
+    return any(node_kind(user) == "copy" or (node_kind(user) == "view" and _feeds_copy(user))
                for user in node.users)
 
 
@@ -135,10 +86,10 @@ def _copy_chain(start, graph: torch.fx.Graph, neighbours) -> list[torch.fx.Node]
     found, stack, seen = [], list(start), set()
     while stack:
         current = stack.pop()
-        if current in seen or _kind_of(current) == "other":
+        if current in seen or node_kind(current) == "other":
             continue
         seen.add(current)
-        if _kind_of(current) == "copy":
+        if node_kind(current) == "copy":
             found.append(current)
         stack.extend(neighbours(current))
     return sorted(found, key=_position(graph))
@@ -150,7 +101,7 @@ def _position(graph: torch.fx.Graph):
 
 
 def _summarize(nodes: list[torch.fx.Node]) -> str:
-    counts = Counter(_op_name(n) for n in nodes)
+    counts = Counter(op_name(n) for n in nodes)
     return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in counts.items())
 
 
@@ -196,14 +147,14 @@ def _sequence(gm: torch.fx.GraphModule, indent: str) -> list[str]:
         if subgraphs:
             nested = [(name, _sequence(sub, indent + "    ")) for name, sub in subgraphs]
             if any(body for _, body in nested):
-                lines.append(f"{indent}{_op_name(node)}")
+                lines.append(f"{indent}{op_name(node)}")
                 for name, body in nested:
                     lines.append(f"{indent}  {name}:")
                     lines.extend(body)
             continue
-        if not _is_collective(node):
-            continue
         kind = _collective_kind(node)
+        if kind is None:
+            continue
         if kind == "wait":
             lines.append(f"{indent}wait_tensor {_describe(_value(node))}")
             copies = _copy_chain_after(node)
@@ -218,7 +169,7 @@ def _sequence(gm: torch.fx.GraphModule, indent: str) -> list[str]:
         if copies and source is not None:
             lines.append(f"{indent}copy-in {_summarize(copies)} -> {_describe(_value(source))}")
         extra = [a for a in node.args[1:] if isinstance(a, str) and a in ("sum", "avg")]
-        op = _op_name(node) + (f"({extra[0]})" if extra else "")
+        op = op_name(node) + (f"({extra[0]})" if extra else "")
         lines.append(
             f"{indent}{op} {_describe(_value(source)) if source is not None else '?'}"
             f" -> {_describe(_value(node))}"
@@ -276,7 +227,7 @@ def _collective_nodes(gm: torch.fx.GraphModule, path: tuple[str, ...]) -> list[C
         value_out = _value(node)
         found.append(CollectiveNode(
             kind=kind,
-            op=_op_name(node),
+            op=op_name(node),
             path=path,
             dtype=value_out.dtype if isinstance(value_out, torch.Tensor) else None,
             input_shape=tuple(value_in.shape) if isinstance(value_in, torch.Tensor) else (),

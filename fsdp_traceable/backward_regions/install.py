@@ -1,0 +1,70 @@
+"""Compiled autograd, with each chosen AOT backward pasted as one region call.
+
+Compiled autograd reads every AOT backward it pastes through
+``torch._dynamo.compiled_autograd.extract_bw_module``; :func:`install` wraps that
+function once so the graphs a predicate picks come back outlined
+(:func:`~fsdp_traceable.backward_regions.outline.outline`). No public torch hook
+exists for this: the wrapper is feature-detected, and where torch lacks the function
+(or ``nested_compile_region``) nothing is installed and compiled autograd pastes as
+before. ``fsdp_traceable.config.backward_regions = False`` turns the rewrite off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+import torch.fx as fx
+
+from .. import config
+from .outline import outline
+
+__all__ = ["install", "supported"]
+
+_predicates: list[Callable[[fx.GraphModule], bool]] = []
+# Per AOT compiled function (a class): its outlined backward, or None if not outlined.
+# Keyed by the class, not the graph: after an AOTAutograd cache hit every read
+# deserializes a new graph, and all the calls of one compiled block must share one
+# region function for Dynamo to reuse its trace.
+_outlined: WeakKeyDictionary[type, fx.GraphModule | None] = WeakKeyDictionary()
+
+
+def supported() -> bool:
+    """Whether this torch's compiled autograd can take outlined backwards."""
+    module = getattr(torch._dynamo, "compiled_autograd", None)
+    return (module is not None and hasattr(module, "extract_bw_module")
+            and hasattr(torch.compiler, "nested_compile_region"))
+
+
+def install(should_outline: Callable[[fx.GraphModule], bool]) -> bool:
+    """Outline, from now on, the AOT backwards ``should_outline`` accepts.
+
+    Args:
+        should_outline: called once per compiled function with its backward graph.
+
+    Returns:
+        Whether the rewrite is in place (``False`` on a torch without the hook).
+    """
+    if not supported():
+        return False
+    module = torch._dynamo.compiled_autograd
+    if not getattr(module.extract_bw_module, "_fsdp_traceable_outlines", False):
+        original = module.extract_bw_module
+
+        def extract_bw_module(compiled_function: Any) -> Any:
+            bw_module = original(compiled_function)
+            if not config.backward_regions or not isinstance(bw_module, fx.GraphModule):
+                return bw_module
+            if compiled_function not in _outlined:
+                picked = any(predicate(bw_module) for predicate in _predicates)
+                _outlined[compiled_function] = outline(bw_module) if picked else None
+            outlined = _outlined[compiled_function]
+            return outlined if outlined is not None else bw_module
+
+        extract_bw_module._fsdp_traceable_outlines = True
+        module.extract_bw_module = extract_bw_module
+    if should_outline not in _predicates:
+        _predicates.append(should_outline)
+    return True
