@@ -10,7 +10,10 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 * ``ours-whole``: fsdp_traceable, ``torch.compile(model.loss, fullgraph=True)``,
   backward under compiled autograd (Inductor);
 * ``ours-blocks``: fsdp_traceable, ``block.compile(fullgraph=True)`` per block as
-  torchtitan does, backward under compiled autograd (Inductor);
+  torchtitan does, backward under compiled autograd (Inductor), each block's backward
+  one call of a shared region (``fsdp_traceable.backward_regions``);
+* ``ours-blocks-pasted``: the same with ``config.backward_regions = False``: compiled
+  autograd pastes every block's backward node by node, as torch does;
 * ``ours-blocks-aot``: the same without compiled autograd (each block's AOTAutograd
   backward);
 * ``unsharded-whole``: the same model unsharded, whole-model compile + compiled autograd;
@@ -44,8 +47,8 @@ import sys
 import tempfile
 import time
 
-CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-aot", "unsharded-whole", "fsdp2-blocks",
-           "unsharded-regions")
+CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot",
+           "unsharded-whole", "fsdp2-blocks", "unsharded-regions")
 
 
 def _child(config: str, layers: int, dim: int, steps: int) -> dict:
@@ -80,6 +83,7 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
         model = Transformer(cfg)
         if config.startswith("ours"):
             shard_transformer(model, fsdp_traceable.fully_shard)
+            fsdp_traceable.config.backward_regions = config != "ours-blocks-pasted"
         elif config.startswith("fsdp2"):
             shard_transformer(model, fsdp2_fully_shard)
         loss_fn = model.loss
@@ -93,7 +97,8 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
             for block in model.layers:
                 block.compile(fullgraph=config.startswith("ours"))
         backward_context = contextlib.nullcontext
-        if config in ("ours-whole", "ours-blocks", "unsharded-whole", "unsharded-regions"):
+        if config in ("ours-whole", "ours-blocks", "ours-blocks-pasted", "unsharded-whole",
+                      "unsharded-regions"):
             compiler = torch.compile(backend="inductor", fullgraph=True)
 
             def backward_context():

@@ -3,7 +3,9 @@
 Every mode runs the same model, data and optimizer in the same run on the same ranks,
 timed step by step in turn:
 torch FSDP2 eager, FSDP2 with per-block ``torch.compile``, fsdp_traceable eager,
-whole-model compile, and compile + compiled autograd; plus compute-only (unsharded,
+whole-model compile, and compile + compiled autograd, then fsdp_traceable's per-block
+compile (``block.compile(fullgraph=True)``) with and without compiled autograd; plus
+compute-only (unsharded,
 no communication) and communication-only (the same collectives, no compute), whose
 maximum is the step time perfect overlap would reach.
 """
@@ -35,8 +37,9 @@ from .train import TrainArgs, batch_for, make_optimizer, mp_policy_for
 
 MODES = (
     "fsdp2-eager", "fsdp2-compile-blocks", "eager", "compile", "compile-ca",
-    "compute-only", "compute-only-compiled", "comm-only",
+    "compile-blocks", "compile-blocks-ca", "compute-only", "compute-only-compiled", "comm-only",
 )
+_OURS = ("eager", "compile", "compile-ca", "compile-blocks", "compile-blocks-ca", "comm-only")
 
 
 def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
@@ -50,8 +53,11 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
         if mode == "fsdp2-compile-blocks":
             for layer in model.layers:
                 layer.compile()
-    elif mode in ("eager", "compile", "compile-ca", "comm-only"):
+    elif mode in _OURS:
         shard_transformer(model, ours_fully_shard, mesh=mesh, mp_policy=policy)
+        if mode.startswith("compile-blocks"):
+            for layer in model.layers:
+                layer.compile(fullgraph=True)
     elif args.mp == "bf16":  # the unsharded compute-only modes compute in bf16 too
         model.to(torch.bfloat16)
     if mode == "comm-only":
@@ -61,7 +67,7 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
     if mode in ("compile", "compile-ca", "compute-only-compiled"):
         loss_fn = torch.compile(model.loss, fullgraph=True)
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    if mode == "compile-ca":
+    if mode in ("compile-ca", "compile-blocks-ca"):
         compiler = torch.compile(backend="inductor", fullgraph=True)
         backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
 
@@ -200,10 +206,11 @@ def format_table(report: dict) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for mode, row in report["modes"].items():
-        limit = limits.get("compiled" if mode in ("compile", "compile-ca") else "eager")
+        compiled = mode.startswith("compile-") or mode == "compile"
+        limit = limits.get("compiled" if compiled else "eager")
         versus_limit = (
             f"{row['median_step_ms'] / limit:.2f}x"
-            if limit and mode in ("eager", "compile", "compile-ca") else ""
+            if limit and mode in _OURS and mode != "comm-only" else ""
         )
         ratio = row.get("ratio_to_fsdp2_eager")
         lines.append(
