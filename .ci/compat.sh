@@ -3,19 +3,22 @@
 # torch (the main job runs the full suite on the pinned 2.13.0). Each version gets a
 # throwaway venv inside the clone (registry torch builds other than the pinned CPU wheel
 # are CUDA builds of about 3.5 GB; nothing is cached outside the clone), removed after.
+# The next version's venv is built while the current one's subset runs.
 #
 #   bash .ci/compat.sh              # 2.11.0 and 2.14.1
 #   bash .ci/compat.sh 2.12.0       # any list of versions
+#   bash .ci/compat.sh --prepare    # only build the first default version's venv
+#                                   # (.ci/run starts this before the main job)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VERSIONS=("$@")
-[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.11.0 2.14.1)
+DEFAULT_VERSIONS=(2.11.0 2.14.1)
 
 # Ops and their fake impls, fully_shard eager and compile + compiled autograd against
 # FSDP2 on a small model (2 gloo ranks: the collectives' eager and traced paths), a
 # float8-style weight's all-gather hooks traced by Dynamo against FSDP2 calling them,
-# and the graph-break, recompile and compiled-structure tests.
+# the graph-break, recompile and compiled-structure tests, and the backward-region
+# rewrite (hooked into compiled autograd, feature-detected).
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
 SUBSET=(
   tests/collectives/test_ops.py
@@ -25,18 +28,45 @@ SUBSET=(
   compile_tests/test_all_gather_extensions_compile.py
   compile_tests/test_graph_breaks.py
   compile_tests/test_recompiles.py
+  tests/backward_regions/test_outline.py
+  compile_tests/test_block_compile.py::test_compiled_autograd_traces_one_block_backward
 )
 
-status=0
-for version in "${VERSIONS[@]}"; do
-  venv=".ci-venvs/torch-$version"
+venv_of() { echo ".ci-venvs/torch-$1"; }
+
+# Builds the venv of torch $1 (once: a finished venv is marked and kept).
+install() {
+  local version=$1 venv start=$SECONDS
+  venv=$(venv_of "$version")
+  [ -f "$venv/.installed" ] && return 0
   rm -rf "$venv"
-  start=$SECONDS
+  mkdir -p .ci-venvs
   "$PYTHON" -m venv "$venv"
-  "$venv/bin/pip" install -q "torch==$version"
-  "$venv/bin/pip" install -q pytest expecttest hypothesis numpy
-  "$venv/bin/pip" install -q --no-deps -e .
+  "$venv/bin/pip" install -q --no-compile "torch==$version"
+  "$venv/bin/pip" install -q --no-compile pytest expecttest hypothesis numpy
+  "$venv/bin/pip" install -q --no-compile --no-deps -e .
+  touch "$venv/.installed"
   echo "torch $version: installed in $((SECONDS - start)) s"
+}
+
+if [ "${1:-}" = "--prepare" ]; then
+  install "${DEFAULT_VERSIONS[0]}"
+  exit 0
+fi
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=("${DEFAULT_VERSIONS[@]}")
+
+status=0
+for i in "${!VERSIONS[@]}"; do
+  version=${VERSIONS[$i]}
+  venv=$(venv_of "$version")
+  start=$SECONDS
+  install "$version"
+  next_pid=
+  if [ $((i + 1)) -lt ${#VERSIONS[@]} ]; then
+    install "${VERSIONS[$((i + 1))]}" &
+    next_pid=$!
+  fi
   set +e
   TORCHINDUCTOR_CACHE_DIR="$PWD/$venv/inductor_cache" \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider "${SUBSET[@]}"
@@ -45,6 +75,8 @@ for version in "${VERSIONS[@]}"; do
   echo "torch $version: compatibility subset exit $rc after $((SECONDS - start)) s"
   rm -rf "$venv"
   if [ $rc -ne 0 ] && [ $rc -ne 5 ] && [ $status -eq 0 ]; then status=$rc; fi
+  # A failed background build is retried (and reported) by the next iteration.
+  if [ -n "$next_pid" ]; then wait "$next_pid" || true; fi
 done
 rmdir .ci-venvs 2>/dev/null || true
 exit $status
