@@ -107,10 +107,13 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(0)
 
+        forward_s: list[float] = []
+
         def step() -> float:
             tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=generator)
             t0 = time.perf_counter()
             loss = loss_fn(tokens, torch.roll(tokens, 1, dims=1))
+            forward_s.append(time.perf_counter() - t0)
             with backward_context():
                 loss.backward()
             optimizer.step()
@@ -124,6 +127,7 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
             steady = statistics.median(step() for _ in range(steps))
     return {
         "first_step_s": first,
+        "first_forward_s": forward_s[0],
         "steady_step_s": steady,
         "import_s": import_s,
         "process_to_first_step_end_s": to_first_step_end,

@@ -55,14 +55,17 @@ def _inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _collective_side(graph: fx.Graph) -> set[fx.Node]:
-    """The collectives, the copies that only feed them, and the copies that only
-    unpack their outputs (and placeholders)."""
+    """The collectives, the copies that only feed them with the graph's inputs, and
+    the copies that only unpack their outputs into the graph's results. A collective
+    output the compute reads enters the region as it is and is unpacked there; a
+    collective input the compute produces is packed there too."""
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     side = {n for n in nodes if is_collective(n)}
     for node in reversed(nodes):  # feeders: every use is on the collective side
         if (node not in side and node.target is not operator.getitem and _is_copy(node)
                 and node.users and all(u in side for u in node.users)):
             side.add(node)
+    unpackers = []
     for node in nodes:  # unpackers: every input is on the collective side or an input
         if node in side or not _is_copy(node):
             continue
@@ -70,6 +73,16 @@ def _collective_side(graph: fx.Graph) -> set[fx.Node]:
         if any(i in side for i in inputs) and all(
                 i in side or i.op in ("placeholder", "get_attr") for i in inputs):
             side.add(node)
+            unpackers.append(node)
+    for node in reversed(unpackers):  # those the compute reads go with the compute
+        if any(u.op == "call_function" and u not in side for u in node.users):
+            side.discard(node)
+    for node in nodes:  # feeders of the compute's results go with the compute: the
+        # region returns a collective's packed input, not the pieces it packs
+        if node in side and not is_collective(node) and any(
+                i.op == "call_function" and i not in side for i in _inputs(node)) and all(
+                i.op in ("placeholder", "get_attr") or i not in side for i in _inputs(node)):
+            side.discard(node)
     return side
 
 
@@ -244,4 +257,7 @@ def outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
             outer[node] = new_graph.node_copy(node, lambda n: outer[n])
     output = graph.find_nodes(op="output")[0]
     new_graph.output(fx.map_arg(output.args[0], lambda n: outer[n]))
+    for node in reversed(new_graph.nodes):  # copies and views only the region read
+        if not node.users and node.op == "call_function" and node_kind(node) != "other":
+            new_graph.erase_node(node)
     return fx.GraphModule(bw_module, new_graph)
