@@ -7,15 +7,16 @@ backward, which Dynamo, AOTAutograd and Inductor then trace and compile L times.
 ``torch.compiler.nested_compile_region`` function: the L pasted copies become L calls
 of one region, which Dynamo traces once and Inductor compiles once.
 
-The collectives stay outside the region, with the copies that pack their inputs and
-unpack their outputs: in the compiled-autograd graph itself, where Inductor's
-reordering can overlap a block's reduce-scatter and re-gather with other blocks'
-compute. The region holds the rest (the block's own backward compute).
+The collectives stay outside the region, in the compiled-autograd graph itself, where
+Inductor's reordering can overlap a block's reduce-scatter and re-gather with other
+blocks' compute; so do the copies that pack a collective's input from the graph's
+inputs and unpack its output into the graph's results. The region holds the rest: the
+block's backward compute, the unpacking of a collective output it reads, the packing
+of a collective input it produces.
 
-Dynamo rejects regions whose inputs or outputs share storage, so the rewrite passes
-one base tensor where several inputs are views of it, copies inputs that share storage
-otherwise (saved tensors of the default partitioner can), and copies outputs that
-share storage.
+Dynamo rejects regions whose inputs or outputs share storage, so the rewrite makes an
+input that is the same view as another an alias inside, copies other inputs that share
+storage (saved tensors can), and copies outputs that share storage.
 """
 
 from __future__ import annotations
@@ -39,15 +40,6 @@ _SCALING_OPS = frozenset({"div", "mul"})
 def _is_copy(node: fx.Node) -> bool:
     return node_kind(node) != "other" or (
         node.op == "call_function" and op_name(node) in _SCALING_OPS)
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node_kind(node) != "view":
-        return False
-    if node.target is operator.getitem:  # an element of a view op's outputs (split)
-        source = node.args[0]
-        return isinstance(source, fx.Node) and _is_view(source)
-    return True
 
 
 def _inputs(node: fx.Node) -> list[fx.Node]:
@@ -132,20 +124,6 @@ def _split(graph: fx.Graph) -> tuple[list[fx.Node], set[fx.Node], set[fx.Node]]:
     return region, side, after_region
 
 
-def _pulled_views(side: set[fx.Node], after_region: set[fx.Node],
-                  region: set[fx.Node]) -> set[fx.Node]:
-    """The collective-side views the region reads, recomputed inside it so that the
-    region takes their base once (views of one buffer would alias)."""
-    pulled: set[fx.Node] = set()
-    frontier = [n for n in side if n not in after_region and any(u in region for u in n.users)]
-    while frontier:
-        node = frontier.pop()
-        if _is_view(node) and node not in pulled:
-            pulled.add(node)
-            frontier.extend(i for i in _inputs(node) if i in side)
-    return pulled
-
-
 def _same_view(a: fx.Node, b: fx.Node) -> bool:
     va, vb = a.meta["val"], b.meta["val"]
     return (va.shape == vb.shape and va.stride() == vb.stride() and va.dtype == vb.dtype
@@ -172,13 +150,14 @@ def _alias_plan(inputs: list[fx.Node]) -> dict[fx.Node, tuple[str, fx.Node | Non
     return plan
 
 
-def _body(bw_module: fx.GraphModule, body_nodes: list[fx.Node], inputs: list[fx.Node],
+def _body(bw_module: fx.GraphModule, region: list[fx.Node], inputs: list[fx.Node],
           plan: dict, results: list[fx.Node]) -> fx.GraphModule:
+    """The region's graph: ``inputs`` in, ``region``'s nodes, ``results`` out."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    body_set = set(body_nodes)
+    region_set = set(region)
     for node in bw_module.graph.find_nodes(op="get_attr"):
-        if any(u in body_set for u in node.users):
+        if any(u in region_set for u in node.users):
             env[node] = graph.node_copy(node)
     for node in inputs:
         if plan.get(node, ("arg",))[0] != "alias":
@@ -188,7 +167,7 @@ def _body(bw_module: fx.GraphModule, body_nodes: list[fx.Node], inputs: list[fx.
         how, twin = plan.get(node, ("arg", None))
         if how == "alias":
             env[node] = graph.call_function(torch.ops.aten.alias.default, (env[twin],))
-    for node in body_nodes:
+    for node in region:
         env[node] = graph.node_copy(node, lambda n: env[n])
         if node.target is torch.ops.aten.view.default:
             # Compiled autograd pastes AOT backwards with views as reshapes (the
@@ -223,18 +202,15 @@ def outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
     if not region:
         return None
     region_set = set(region)
-    pulled = _pulled_views(side, after_region, region_set)
-    body_nodes = [n for n in graph.nodes if n in region_set or n in pulled]
-    body_set = set(body_nodes)
     inputs = [n for n in graph.nodes
-              if n not in body_set and n.op not in ("output", "get_attr")
-              and any(u in body_set for u in n.users)]
-    results = [n for n in region if any(u not in body_set for u in n.users)]
+              if n not in region_set and n.op not in ("output", "get_attr")
+              and any(u in region_set for u in n.users)]
+    results = [n for n in region if any(u not in region_set for u in n.users)]
     for node in (*inputs, *results):
         if not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int, float, bool)):
             return None  # e.g. an opaque object, or a tuple crossing the boundary
     plan = _alias_plan(inputs)
-    region_fn = _region_function(_body(bw_module, body_nodes, inputs, plan, results))
+    region_fn = _region_function(_body(bw_module, region, inputs, plan, results))
 
     new_graph = fx.Graph()
     outer: dict[fx.Node, fx.Node] = {}
@@ -257,7 +233,4 @@ def outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
             outer[node] = new_graph.node_copy(node, lambda n: outer[n])
     output = graph.find_nodes(op="output")[0]
     new_graph.output(fx.map_arg(output.args[0], lambda n: outer[n]))
-    for node in reversed(new_graph.nodes):  # copies and views only the region read
-        if not node.users and node.op == "call_function" and node_kind(node) != "other":
-            new_graph.erase_node(node)
     return fx.GraphModule(bw_module, new_graph)

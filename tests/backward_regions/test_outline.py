@@ -79,7 +79,8 @@ def test_block_backward_keeps_collectives_outside_the_region(one_gloo_rank: None
     assert outlined is not None
     assert len(_region_calls(outlined)) == 1
     body = _body(outlined)
-    # The re-gather and the reduce-scatter (and their waits) stay in the outer graph.
+    # The re-gather and the reduce-scatter (and their waits) stay in the outer graph;
+    # the copy-out of the re-gathered parameters is in the region.
     assert not [n for n in body.graph.nodes if is_collective(n)]
     assert ([n.target for n in outlined.graph.nodes if is_collective(n)]
             == [n.target for n in backward.graph.nodes if is_collective(n)])
@@ -88,9 +89,10 @@ def test_block_backward_keeps_collectives_outside_the_region(one_gloo_rank: None
     # The block's compute (every matmul) is in the region.
     assert _ops(body, "aten.mm") == _ops(backward, "aten.mm") > 0
     assert _ops(outlined, "aten.mm") == 0
-    # Its inputs share no storage: the unsharded parameters enter as their one
-    # buffer, and of two saved views of one activation (the attention output, as
-    # the attention and the output projection read it) the second enters as a copy.
+    # Its inputs share no storage: the re-gathered parameters enter as the
+    # all-gather's output, and of two saved views of one activation (the attention
+    # output, as the attention and the output projection read it) the second enters
+    # as a copy.
     (call,) = _region_calls(outlined)
     sources = [arg.args[0] if arg.target is torch.ops.aten.clone.default else arg
                for arg in call.args]
