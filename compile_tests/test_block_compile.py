@@ -13,6 +13,7 @@ is traced and compiled once too, with every block's collectives outside the regi
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections import Counter
 
 import torch
@@ -30,6 +31,11 @@ from fsdp_traceable.testing import count_collectives, track_compiles
 def _config(n_layers: int) -> TransformerConfig:
     return TransformerConfig(vocab_size=96, dim=48, n_layers=n_layers, n_heads=4, hidden_dim=80,
                              max_seq_len=12)
+
+
+# Dynamo reuses a nested compile region's trace across calls (torch 2.13+).
+_DYNAMO_REUSES_SUBGRAPHS = (
+    importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None)
 
 
 def _model(n_layers: int) -> Transformer:
@@ -94,9 +100,15 @@ def test_compiled_autograd_traces_one_block_backward(fake_world: None) -> None:
     assert record.graph_breaks.count == 0, record.graph_breaks.reasons
     assert record.recompiles == []
     (graph,) = backward.graphs
-    # Every block calls the one region: Dynamo traced the block backward once.
+    # Every block calls the one region. Dynamo with subgraph reuse (torch 2.13+) traces
+    # it once; older Dynamo traces every call and keeps one graph per distinct trace,
+    # where the first can differ from the rest: two subgraphs, for any depth.
     calls = _region_calls(graph)
-    assert len(calls) == n_layers and len(set(calls)) == 1
+    assert len(calls) == n_layers
+    if _DYNAMO_REUSES_SUBGRAPHS:
+        assert len(set(calls)) == 1
+    else:
+        assert len(set(calls[1:])) == 1 and len(set(calls)) <= 2
     region = getattr(graph, calls[0])
     assert count_collectives(region) == Counter()
     # The collectives are all in the outer graph: each block's re-gather and

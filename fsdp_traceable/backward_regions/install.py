@@ -53,6 +53,9 @@ def install(should_outline: Callable[[fx.GraphModule], bool]) -> bool:
     if not getattr(module.extract_bw_module, "_fsdp_traceable_outlines", False):
         original = module.extract_bw_module
 
+        # Compiled autograd can capture while Dynamo's frame hook is set (torch 2.11
+        # after a graph break at ``backward()``); this frame must not be traced.
+        @torch.compiler.disable
         def extract_bw_module(compiled_function: Any) -> Any:
             bw_module = original(compiled_function)
             if not config.backward_regions or not isinstance(bw_module, fx.GraphModule):
