@@ -16,18 +16,24 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 
 # Ops and their fake impls, fully_shard eager and compile + compiled autograd against
 # FSDP2 on a small model (2 gloo ranks: the collectives' eager and traced paths), a
-# float8-style weight's all-gather hooks traced by Dynamo against FSDP2 calling them,
-# the graph-break, recompile and compiled-structure tests, and the backward-region
-# rewrite (hooked into compiled autograd, feature-detected).
+# float8-style weight's all-gather hooks traced by Dynamo, the graph-break tests, the
+# recompile tests of the train loop, train/eval and dynamic batch size, the compiled
+# structure of reshard-after-forward, and the backward-region rewrite (hooked into
+# compiled autograd, feature-detected). The main job runs the rest on the pinned torch.
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
+EXTENSIONS=compile_tests/test_all_gather_extensions_compile.py
+RECOMPILES=compile_tests/test_recompiles.py
 SUBSET=(
   tests/collectives/test_ops.py
   "$FULLY_SHARD[2-eager-adamw]"
   "$FULLY_SHARD[2-compile-ca-sgd]"
   compile_tests/test_fully_shard_compile.py
-  compile_tests/test_all_gather_extensions_compile.py
+  "$EXTENSIONS::test_compiled_all_gather_carries_float8_weights_as_bytes"
+  "$EXTENSIONS::test_hooks_are_inlined_not_graph_ops"
   compile_tests/test_graph_breaks.py
-  compile_tests/test_recompiles.py
+  "$RECOMPILES::test_ten_steps_compile_once"
+  "$RECOMPILES::test_train_eval_switch_compiles_each_mode_once"
+  "$RECOMPILES::test_changing_batch_size_with_dynamic_true_compiles_once"
   tests/backward_regions/test_outline.py
   compile_tests/test_block_compile.py::test_compiled_autograd_traces_one_block_backward
 )
@@ -64,19 +70,24 @@ for i in "${!VERSIONS[@]}"; do
   install "$version"
   next_pid=
   if [ $((i + 1)) -lt ${#VERSIONS[@]} ]; then
-    install "${VERSIONS[$((i + 1))]}" &
+    # Its output is kept apart from the running subset's and shown after it.
+    install "${VERSIONS[$((i + 1))]}" > .ci-venvs/next-install.log 2>&1 &
     next_pid=$!
   fi
   set +e
   TORCHINDUCTOR_CACHE_DIR="$PWD/$venv/inductor_cache" \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider "${SUBSET[@]}"
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=10 "${SUBSET[@]}"
   rc=$?
   set -e
   echo "torch $version: compatibility subset exit $rc after $((SECONDS - start)) s"
   rm -rf "$venv"
   if [ $rc -ne 0 ] && [ $rc -ne 5 ] && [ $status -eq 0 ]; then status=$rc; fi
   # A failed background build is retried (and reported) by the next iteration.
-  if [ -n "$next_pid" ]; then wait "$next_pid" || true; fi
+  if [ -n "$next_pid" ]; then
+    wait "$next_pid" || true
+    cat .ci-venvs/next-install.log
+    rm -f .ci-venvs/next-install.log
+  fi
 done
 rmdir .ci-venvs 2>/dev/null || true
 exit $status
