@@ -36,7 +36,7 @@ bench: $(STAMP)
 
 # pytest exits 5 when it collects no test; an empty suite is not a failure here.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests compile_tests; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 tests compile_tests; \
 	status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
 
 bench-copy: $(STAMP)
