@@ -71,9 +71,9 @@ def _collective_side(graph: fx.Graph) -> set[fx.Node]:
             side.discard(node)
     for node in nodes:  # feeders of the compute's results go with the compute: the
         # region returns a collective's packed input, not the pieces it packs
-        if node in side and not is_collective(node) and any(
-                i.op == "call_function" and i not in side for i in _inputs(node)) and all(
-                i.op in ("placeholder", "get_attr") or i not in side for i in _inputs(node)):
+        inputs = _inputs(node)  # (side holds no placeholder or attribute)
+        if (node in side and not is_collective(node) and all(i not in side for i in inputs)
+                and any(i.op == "call_function" for i in inputs)):
             side.discard(node)
     return side
 
