@@ -107,3 +107,30 @@ def test_compiled_autograd_ten_steps_one_forward_one_backward_graph(fake_world: 
     assert backward_counter.frame_count == 1
     assert counters["compiled_autograd"]["captures"] == 1
     assert not counters["graph_break"]
+
+
+def _two_linear_model() -> torch.nn.Sequential:
+    # Groups of two parameters: the argument count at which Dynamo, tracing an
+    # autograd.Function's forward as a plain call, would drop its ctx.
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_compiled_inference_and_frozen_groups_match_the_unsharded_model(one_gloo_rank) -> None:
+    reference = _two_linear_model()
+    model = _two_linear_model()
+    fsdp_traceable.fully_shard(model[0])
+    fsdp_traceable.fully_shard(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), reference(x), rtol=0, atol=0)
+    for module in (model[0], reference[0]):
+        module.requires_grad_(False)
+    compiled(x).sum().backward()
+    reference(x).sum().backward()
+    assert model[0].weight.grad is None
+    torch.testing.assert_close(model[2].weight.grad.full_tensor(), reference[2].weight.grad,
+                               rtol=0, atol=0)
+    assert counter.frame_count == 2  # no_grad, then grad mode with a frozen group

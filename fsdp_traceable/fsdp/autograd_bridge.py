@@ -118,6 +118,11 @@ _recompute_all_gather_context.cache_hash = "fsdp_traceable.recompute_all_gather.
 
 def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
                    *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        # Nothing to differentiate (no_grad, or a frozen group). Not through the
+        # Function: Dynamo then traces its forward as a plain call and drops ``ctx``
+        # whenever the argument count happens to equal forward's parameter count.
+        return tuple(group.all_gather(inputs[: len(inputs) - len(accumulated_indices)]))
     return UnshardParams.apply(group, accumulated_indices, *inputs)
 
 

@@ -19,6 +19,7 @@ from .arguments import (
     module_list,
     reshard_after_forward_flag,
 )
+from . import mesh_pickling
 from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
 from .param_group import ParamGroup
 
@@ -91,6 +92,7 @@ def fully_shard(
     offload_to_cpu = check_offload_policy(offload_policy)
     ignored = ignored_param_ids(ignored_params)
     owned = _managed_params(modules, ignored)
+    mesh_pickling.install()
     group = ParamGroup(
         [(fqn, param) for fqn, param, _ in owned], mesh,
         reshard_after_forward=reshard, mp_policy=mp_policy,

@@ -1,0 +1,45 @@
+"""A pickled DeviceMesh leaves out its process-local hash (fsdp/mesh_pickling.py)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch._inductor.codecache import FxGraphCachePickler
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_traceable.fsdp import mesh_pickling
+from fsdp_traceable.testing.fake_world import fake_process_group
+
+pytestmark = pytest.mark.skipif("__getstate__" not in DeviceMesh.__dict__,
+                                reason="this torch's DeviceMesh has no __getstate__")
+
+
+def _fx_cache_key(obj: object) -> str:
+    return FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).get_key(obj)
+
+
+def test_pickled_mesh_has_no_hash_and_unpickles_equal():
+    mesh_pickling.install()
+    with fake_process_group(2, reset_dynamo=False):
+        mesh = init_device_mesh("cpu", (2,))
+        mesh_hash = hash(mesh)
+        assert "_hash" not in mesh.__getstate__()
+        restored = pickle.loads(pickle.dumps(mesh))
+        assert restored == mesh
+        assert hash(restored) == mesh_hash
+
+
+def test_fx_graph_cache_key_does_not_depend_on_the_hash_a_process_drew():
+    with fake_process_group(2, reset_dynamo=False):
+        mesh = init_device_mesh("cpu", (2,))
+        hash(mesh)
+        mesh_pickling.install()
+        # torch's own state keeps the hash, so its pickles differ between processes.
+        assert "_hash" in DeviceMesh.__getstate__.__wrapped__(mesh)
+        keys = set()
+        for drawn_hash in (12345, -67890):
+            mesh._hash = drawn_hash  # what hash(mesh) cached in two different processes
+            keys.add(_fx_cache_key([mesh]))
+        assert len(keys) == 1
