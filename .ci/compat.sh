@@ -18,16 +18,18 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # FSDP2 on a small model (2 gloo ranks: the collectives' eager and traced paths), a
 # float8-style weight's all-gather hooks traced by Dynamo, the graph-break tests, the
 # recompile tests of the train loop, train/eval and dynamic batch size, the compiled
-# structure of reshard-after-forward, and the backward-region rewrite (hooked into
-# compiled autograd, feature-detected). The main job runs the rest on the pinned torch.
+# structure of reshard-after-forward and compiled inference, the backward-region rewrite
+# (hooked into compiled autograd, feature-detected), and DeviceMesh pickling (the FX
+# graph cache key). The main job runs the rest on the pinned torch.
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
 EXTENSIONS=compile_tests/test_all_gather_extensions_compile.py
 RECOMPILES=compile_tests/test_recompiles.py
 SUBSET=(
   tests/collectives/test_ops.py
   "$FULLY_SHARD[2-eager-adamw]"
-  "$FULLY_SHARD[2-compile-ca-sgd]"
+  "$FULLY_SHARD[2-compile-ca-aot-eager-sgd]"
   compile_tests/test_fully_shard_compile.py
+  tests/fsdp/test_mesh_pickling.py
   "$EXTENSIONS::test_compiled_all_gather_carries_float8_weights_as_bytes"
   "$EXTENSIONS::test_hooks_are_inlined_not_graph_ops"
   compile_tests/test_graph_breaks.py

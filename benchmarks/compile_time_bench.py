@@ -25,6 +25,8 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 
 ``--warm`` also reruns each configuration in a second process on the first one's
 (now warm) cache directory: a restart's first step against a steady step.
+``--cache-custom-autograd`` and ``--force-backward-lowering`` set the AOTAutograd cache
+options that decide whether a forward's cache entry is written (see their help).
 
 Prints a table and writes JSON (default ``benchmarks/results/compile_time_bench.json``)
 and, with matplotlib installed (``pip install -e '.[bench]'``), a plot of the first step
@@ -51,13 +53,15 @@ CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot",
            "unsharded-whole", "fsdp2-blocks", "unsharded-regions")
 
 
-def _child(config: str, layers: int, dim: int, steps: int) -> dict:
+def _child(config: str, layers: int, dim: int, steps: int,
+           force_backward_lowering: bool = False) -> dict:
     """Runs ``config`` in this (fresh) process; returns its figures."""
     start = time.perf_counter()
     import contextlib
     import statistics
 
     import torch
+    import torch._functorch.config
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
@@ -72,6 +76,7 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
     from fsdp_traceable.testing.fake_world import fake_process_group
 
     import_s = time.perf_counter() - start
+    torch._functorch.config.force_non_lazy_backward_lowering = force_backward_lowering
     # The fake group's all-gathers leave their outputs uninitialized: denormal garbage in
     # the unsharded parameters would make steady steps arbitrarily slow. The flag is per
     # thread, so compute runs on this one (compile workers are separate processes).
@@ -145,7 +150,7 @@ def _child(config: str, layers: int, dim: int, steps: int) -> dict:
 
 
 def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
-         cache_custom_autograd: bool = False) -> dict:
+         cache_custom_autograd: bool = False, force_backward_lowering: bool = False) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     if cache_custom_autograd:
         # AOTAutograd's cache refuses graphs holding an autograd.Function unless told
@@ -157,7 +162,7 @@ def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, __file__, "--child", config, "--layers", str(layers), "--dim", str(dim),
-         "--steps", str(steps)],
+         "--steps", str(steps)] + (["--force-backward-lowering"] if force_backward_lowering else []),
         env=env, capture_output=True, text=True,
     )
     wall = time.perf_counter() - start
@@ -189,6 +194,10 @@ def main() -> None:
                         help="also rerun each configuration on its warm cache in a new process")
     parser.add_argument("--cache-custom-autograd", action="store_true",
                         help="let AOTAutograd's cache store graphs with autograd.Functions")
+    parser.add_argument("--force-backward-lowering", action="store_true",
+                        help="make AOTAutograd compile each backward with its forward "
+                             "(torch._functorch.config.force_non_lazy_backward_lowering), "
+                             "so its cache entry is written under compiled autograd too")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"
                                             / "compile_time_bench.json"))
     parser.add_argument("--replot", action="store_true",
@@ -199,8 +208,8 @@ def main() -> None:
         print(f"wrote {_plot(json.loads(pathlib.Path(args.out).read_text()), args.out)}")
         return
     if args.child:
-        print("RESULT " + json.dumps(_child(args.child, args.layers[0], args.dim, args.steps)),
-              flush=True)
+        print("RESULT " + json.dumps(_child(args.child, args.layers[0], args.dim, args.steps,
+                                            args.force_backward_lowering)), flush=True)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,10 +220,10 @@ def main() -> None:
                 cache_dir = os.path.join(tmp, f"{config}-{layers}")
                 row = {"config": config, "layers": layers, "dim": args.dim,
                        "cold": _run(config, layers, args.dim, args.steps, cache_dir,
-                                    args.cache_custom_autograd)}
+                                    args.cache_custom_autograd, args.force_backward_lowering)}
                 if args.warm and "error" not in row["cold"]:
                     row["warm"] = _run(config, layers, args.dim, args.steps, cache_dir,
-                                       args.cache_custom_autograd)
+                                       args.cache_custom_autograd, args.force_backward_lowering)
                 rows.append(row)
                 cold = row["cold"]
                 if "error" in cold:

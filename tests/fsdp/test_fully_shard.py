@@ -59,7 +59,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 @pytest.mark.parametrize(
     "world_size,mode,optim",
     [(2, "eager", "sgd"), (2, "eager", "adamw"), (4, "eager", "adamw"),
-     (2, "compile", "adamw"), (2, "compile-ca", "sgd")],
+     (2, "compile", "adamw"), (2, "compile-ca", "sgd"), (2, "compile-ca-aot-eager", "sgd")],
 )
 def test_fp32_training_matches_fsdp2_and_unsharded(world_size: int, mode: str, optim: str):
     for rows, base, theirs, ours in run_on_local_ranks(_train_against_fsdp2, world_size, mode, optim, None):

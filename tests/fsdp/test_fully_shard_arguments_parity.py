@@ -4,8 +4,8 @@ A list of modules as one group (torchtitan's ``[norm, output]``), ``reshard_afte
 True on the root, ``CPUOffloadPolicy``, ``ignored_params``, float64 parameters and a
 ``ShardPlacementResult``: eager bitwise (losses, this rank's first gradients and shards,
 full parameters after 3 AdamW steps), compiled with compiled autograd within 1e-5
-(2 ranks; Inductor for CPU offload, whose host copies Inductor generates, AOTAutograd's
-eager backend for the others, where the arguments change only what is traced).
+(2 ranks, AOTAutograd's eager backend: the arguments change only what is traced; on a
+CPU mesh the offload's host copies are same-device no-ops, ``tests/gpu`` runs them on CUDA).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ EAGER_CASES = ("module_list_group", "root_reshard_true", "cpu_offload", "ignored
                "float64_params", "shard_placement_result")
 # Compiled case: its mode (the compile dominates the test's time).
 COMPILED_MODES = {"module_list_group": "compile-ca-aot-eager",
-                  "root_reshard_true": "compile-ca-aot-eager", "cpu_offload": "compile-ca"}
+                  "root_reshard_true": "compile-ca-aot-eager", "cpu_offload": "compile-ca-aot-eager"}
 COMPILED_CASES = tuple(COMPILED_MODES)
 
 
