@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif("__getstate__" not in DeviceMesh.__dict__,
                                 reason="this torch's DeviceMesh has no __getstate__")
 
 
-def _fx_cache_key(obj: object) -> str:
-    return FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).get_key(obj)
+def _fx_cache_key_bytes(obj: object) -> bytes:
+    """What Inductor's FX graph cache hashes into a key for ``obj``."""
+    return FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).dumps(obj)
 
 
 def test_pickled_mesh_has_no_hash_and_unpickles_equal():
@@ -41,5 +42,5 @@ def test_fx_graph_cache_key_does_not_depend_on_the_hash_a_process_drew():
         keys = set()
         for drawn_hash in (12345, -67890):
             mesh._hash = drawn_hash  # what hash(mesh) cached in two different processes
-            keys.add(_fx_cache_key([mesh]))
+            keys.add(_fx_cache_key_bytes([mesh]))
         assert len(keys) == 1
