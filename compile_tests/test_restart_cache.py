@@ -15,7 +15,7 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # The forward of a two-layer fully_shard model (inference: one graph, compiled by
 # Inductor), one process on the fake group; prints Inductor's FX graph cache counters.
-_TRAIN_ONE_STEP = textwrap.dedent("""
+_COMPILE_INFERENCE = textwrap.dedent("""
     import json
     import torch
     from torch._dynamo.utils import counters
@@ -39,7 +39,7 @@ def _run_in_new_process(cache_dir: pathlib.Path) -> dict[str, int]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
                PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
-    proc = subprocess.run([sys.executable, "-c", _TRAIN_ONE_STEP], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_INFERENCE], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1]

@@ -18,8 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["install"]
 
-_PROCESS_LOCAL_STATE = ("_hash",)
-
 
 def install() -> None:
     """Makes ``DeviceMesh.__getstate__`` leave out the process-local hash (once)."""
@@ -30,8 +28,7 @@ def install() -> None:
     @functools.wraps(original)
     def __getstate__(self: DeviceMesh) -> dict[str, Any]:
         state = dict(original(self))
-        for name in _PROCESS_LOCAL_STATE:
-            state.pop(name, None)
+        state.pop("_hash", None)
         return state
 
     __getstate__._fsdp_traceable_drops_hash = True
