@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch._dynamo.eval_frame
 from torch.distributed.tensor import DTensor
@@ -114,6 +116,19 @@ def _recompute_all_gather_context():
 # holding a recomputed all-gather bypasses that cache, and a restarted process compiles
 # its graphs again.
 _recompute_all_gather_context.cache_hash = "fsdp_traceable.recompute_all_gather.v1"
+
+_CONTEXT_FN_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+def _drop_context_fn_warning(record: logging.LogRecord) -> bool:
+    return _CONTEXT_FN_WARNING not in record.getMessage()
+
+
+# Passing ``context_fn`` makes torch log a warning (once, when AOTAutograd traces the
+# region, so no context manager around the call below can hold it) asking that the region
+# contain no in-place ops; safe to drop: ours is the functional copy-in, all-gather and
+# copy-out only. The filter matches that one message on the one logger that emits it.
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_drop_context_fn_warning)
 
 
 def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
