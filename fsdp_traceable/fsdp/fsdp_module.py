@@ -163,7 +163,7 @@ def _unsupported(name: str) -> Callable[..., Any]:
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"FSDPModule.{name} is not supported by fsdp_traceable's fully_shard; see its "
-            "README for the supported methods (or use torch.distributed.fsdp.fully_shard)"
+            "docs/api.md for the supported methods (or use torch.distributed.fsdp.fully_shard)"
         )
 
     method.__name__ = name

@@ -1,11 +1,11 @@
-"""FSDP2's public surface next to ours, as the README's API table.
+"""FSDP2's public surface next to ours, as the API table of ``docs/api.md``.
 
 Introspects both libraries: a row per FSDP2 name (``torch.distributed.fsdp``'s FSDP2
 exports, and every public method of its ``FSDPModule``), with its status computed, not
 written: *same* (our signature equals FSDP2's, or torch's own object serves), *differs*
 (implemented, with the difference stated in :data:`DIFFERENCES`) or *missing* (raises
 ``NotImplementedError``). ``python -m tests.fsdp.api_surface`` prints the table;
-``tests/fsdp/test_api_surface.py`` checks the README holds it.
+``tests/fsdp/test_api_surface.py`` checks ``docs/api.md`` holds it.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def rows() -> list[tuple[str, str, str]]:
 
 
 def api_table() -> str:
-    """The README's API table, as markdown."""
+    """The API table of ``docs/api.md``, as markdown."""
     lines = ["| FSDP2 | ours | how / why |", "|---|---|---|"]
     lines += [f"| {name} | {status} | {note} |" for name, status, note in rows()]
     return "\n".join(lines) + "\n"

@@ -1,8 +1,8 @@
-"""Bad calls to ``fully_shard`` and to a sharded model, and the README's "Errors" table.
+"""Bad calls to ``fully_shard`` and to a sharded model, and the tables of ``docs/errors.md``.
 
 Each case is ``name -> (exception type, regex the message must match, call(mesh))``,
 the format of ``BAD_CALLS`` in ``test_fully_shard_features`` (whose cases are reused,
-not repeated, here). ``python -m tests.fsdp.bad_input_cases`` prints the README table of
+not repeated, here). ``python -m tests.fsdp.bad_input_cases`` prints the ``docs/errors.md`` tables of
 every case, these and the foreach collectives' cases of ``test_validation``.
 """
 
@@ -276,7 +276,7 @@ def both_ranks_make_bad_calls(rank: int, world_size: int) -> dict[str, Any]:
             "expected_grads": [p.grad for p in reference.parameters()]}
 
 
-# -- the README table -------------------------------------------------------------
+# -- the docs/errors.md tables ----------------------------------------------------
 
 
 def raised(call: Callable[[], object]) -> tuple[str, str]:
@@ -296,7 +296,7 @@ def message_start(message: str, length: int = 120) -> str:
 
 
 def errors_table() -> str:
-    """The README "Errors" tables, from running every case on a fake two-rank world."""
+    """The ``docs/errors.md`` tables, from running every case on a fake two-rank world."""
     from tests.collectives import test_validation
 
     assert not dist.is_initialized(), "errors_table() sets up its own fake world"

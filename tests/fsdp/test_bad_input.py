@@ -37,7 +37,7 @@ from tests.fsdp.bad_input_cases import (
 )
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
-README = Path(__file__).resolve().parents[2] / "README.md"
+ERRORS_DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
 
 @pytest.mark.parametrize("name", list(NEW_BAD_CALLS))
@@ -169,6 +169,6 @@ def test_messages_are_identical_on_every_rank(gloo_results):
     assert per_rank[0] == per_rank[1]
 
 
-def test_readme_errors_table_is_current() -> None:
-    """The README "Errors" tables are ``python -m tests.fsdp.bad_input_cases``'s output."""
-    assert errors_table() in README.read_text()
+def test_errors_doc_tables_are_current() -> None:
+    """The ``docs/errors.md`` tables are ``python -m tests.fsdp.bad_input_cases``'s output."""
+    assert errors_table() in ERRORS_DOC.read_text()
