@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo demo-collectives test bench bench-copy bench-compiled-copy gpu-check install clean-venv
+.PHONY: demo demo-collectives test bench bench-publish bench-copy bench-compiled-copy gpu-check install clean-venv
 
 install: $(STAMP)
 
@@ -26,27 +26,36 @@ demo: $(STAMP)
 demo-collectives: $(STAMP)
 	$(PY) -m fsdp_traceable demo
 
-# Every training mode next to torch FSDP2 on two workloads (writes benchmarks/results/bench.*
-# and benchmarks/results/narrow_wide_vocab/bench.*).
+# Every training mode next to torch FSDP2 on two workloads. `make bench` writes
+# benchmarks/out/bench.* and benchmarks/out/narrow_wide_vocab/bench.* (ignored by git);
+# `make bench-publish` runs the same into benchmarks/results/ (tracked, the figures
+# docs/benchmarks.md cites), each bench.json recording the commit it measured.
+BENCH_OUT := benchmarks/out
 bench: $(STAMP)
 	$(PIP) install -q -e '.[bench]'
-	$(PY) -m fsdp_traceable bench --dim 256 --layers 4 --batch-size 8 --seq-len 64
+	$(PY) -m fsdp_traceable bench --dim 256 --layers 4 --batch-size 8 --seq-len 64 \
+		--out $(BENCH_OUT)
 	$(PY) -m fsdp_traceable bench --dim 128 --layers 8 --vocab-size 4096 --batch-size 8 \
-		--seq-len 64 --optimizer sgd --lr 0.05 --out benchmarks/results/narrow_wide_vocab
+		--seq-len 64 --optimizer sgd --lr 0.05 --out $(BENCH_OUT)/narrow_wide_vocab
+
+bench-publish:
+	$(MAKE) bench BENCH_OUT=benchmarks/results
 
 # pytest exits 5 when it collects no test; an empty suite is not a failure here.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=30 tests compile_tests; \
 	status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
 
+# The copy benchmarks write benchmarks/out/*.json; `BENCH_FLAGS=--publish` writes
+# benchmarks/results/ instead.
 bench-copy: $(STAMP)
-	$(PY) benchmarks/copy_bench.py
+	$(PY) benchmarks/copy_bench.py $(BENCH_FLAGS)
 
 bench-compiled-copy: $(STAMP)
-	$(PY) benchmarks/compiled_copy_bench.py
+	$(PY) benchmarks/compiled_copy_bench.py $(BENCH_FLAGS)
 
 # Everything that needs a GPU (kernels, bench on CUDA, CUDA tests), with the machine's own
-# python3 and torch: no venv, no install (writes benchmarks/results/gpu/).
+# python3 and torch: no venv, no install (writes benchmarks/out/gpu/, ignored by git).
 gpu-check:
 	bash benchmarks/gpu_check.sh
 

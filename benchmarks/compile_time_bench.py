@@ -28,7 +28,8 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 ``--cache-custom-autograd`` and ``--force-backward-lowering`` set the AOTAutograd cache
 options that decide whether a forward's cache entry is written (see their help).
 
-Prints a table and writes JSON (default ``benchmarks/results/compile_time_bench.json``)
+Prints a table and writes JSON (default ``benchmarks/out/compile_time_bench.json``; with
+``--publish``, ``benchmarks/results/compile_time_bench.json``)
 and, with matplotlib installed (``pip install -e '.[bench]'``), a plot of the first step
 against depth next to it (``--replot`` redraws it from the JSON alone).
 
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import time
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot",
            "unsharded-whole", "fsdp2-blocks", "unsharded-regions")
 
@@ -185,6 +187,9 @@ def _error_summary(output: str) -> str:
 
 
 def main() -> None:
+    # Here, not at the top: the parent process imports no more than it needs.
+    from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
@@ -198,12 +203,12 @@ def main() -> None:
                         help="make AOTAutograd compile each backward with its forward "
                              "(torch._functorch.config.force_non_lazy_backward_lowering), "
                              "so its cache entry is written under compiled autograd too")
-    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"
-                                            / "compile_time_bench.json"))
+    add_output_arguments(parser, "compile_time_bench.json")
     parser.add_argument("--replot", action="store_true",
                         help="only redraw the plot from the JSON at --out")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.out = str(output_path(args.out, args.publish, "compile_time_bench.json", ROOT))
     if args.replot:
         print(f"wrote {_plot(json.loads(pathlib.Path(args.out).read_text()), args.out)}")
         return
@@ -245,6 +250,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.platform(), "cpus": os.cpu_count(),
         "command": " ".join(sys.argv), "rows": rows, "ratios": summary["ratios"],
+        "provenance": provenance(ROOT),
     }
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ returning every unsharded parameter:
 * memcpy: ``clone`` of the all-gather output.
 
 Both forms are checked to produce the same bits first. Prints a markdown table and
-writes JSON (default ``benchmarks/results/compiled_copy_bench.json``).
+writes JSON (default ``benchmarks/out/compiled_copy_bench.json``; with ``--publish``,
+``benchmarks/results/compiled_copy_bench.json``).
 
 Run: ``python benchmarks/compiled_copy_bench.py``.
 """
@@ -31,9 +32,11 @@ import torch
 from torch.utils import benchmark
 
 import fsdp_traceable.collectives.ops as ops
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 from fsdp_traceable.sizes import flatten_sizes, padded_sharded_size
 
 WORLD_SIZE = 2
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _block(dim: int, hidden: int) -> list[list[int]]:
@@ -88,7 +91,7 @@ def _time_us(fn, arg) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/compiled_copy_bench.json")
+    add_output_arguments(parser, "compiled_copy_bench.json")
     args = parser.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="compiled_copy_bench_")
     torch._inductor.config.force_disable_caches = True
@@ -114,9 +117,9 @@ def main() -> None:
     result = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "machine": platform.machine(), "threads": torch.get_num_threads(),
-        "world_size": WORLD_SIZE, "rows": rows,
+        "world_size": WORLD_SIZE, "rows": rows, "provenance": provenance(ROOT),
     }
-    out = pathlib.Path(args.out)
+    out = output_path(args.out, args.publish, "compiled_copy_bench.json", ROOT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")

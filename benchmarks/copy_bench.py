@@ -15,7 +15,8 @@ is simulated as the ``[world * n]`` buffer every rank would receive):
 * memcpy: one ``copy_`` of the copy-in's bytes plus one of the copy-out's bytes.
 
 Before timing, ours and FSDP2 are checked to produce identical bytes. Prints a
-markdown table and writes JSON (default ``benchmarks/results/copy_bench.json``).
+markdown table and writes JSON (default ``benchmarks/out/copy_bench.json``; with
+``--publish``, ``benchmarks/results/copy_bench.json``).
 
 Run: ``python benchmarks/copy_bench.py`` (or ``make bench-copy``).
 """
@@ -38,11 +39,12 @@ import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (tor
 from torch.utils import benchmark
 
 import fsdp_traceable  # noqa: F401  (torch.ops.fsdp_traceable)
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 from fsdp_traceable.collectives import foreach_copies
 from fsdp_traceable.sizes import flatten_sizes, padded_sharded_size
 
 WORLD_SIZE = 2
-DEFAULT_OUT = pathlib.Path(__file__).parent / "results" / "copy_bench.json"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def transformer_block_shapes(dim: int = 1024, hidden: int = 2816) -> list[tuple[int, ...]]:
@@ -272,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="interleaved measurement rounds per workload (default 7)")
     parser.add_argument("--min-run-time", type=float, default=0.5,
                         help="seconds of measurement per contender and round (default 0.5)")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path")
+    add_output_arguments(parser, "copy_bench.json")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.rounds < 1 or args.min_run_time <= 0:
         parser.error("--threads and --rounds must be >= 1 and --min-run-time > 0")
@@ -295,10 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "rows": rows,
         "table": table,
+        "provenance": provenance(ROOT),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = output_path(args.out, args.publish, "copy_bench.json", ROOT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

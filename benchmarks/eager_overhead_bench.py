@@ -7,6 +7,7 @@ step) is timed by the main thread's CPU time (``time.thread_time``), so other lo
 the machine changes the figures far less than it changes wall-clock time; the two
 libraries are timed interleaved step by step. Reports the medians per phase, the step
 total and its ratio to FSDP2; prints a markdown table and writes JSON (default
+``benchmarks/out/eager_overhead_bench.json``; with ``--publish``,
 ``benchmarks/results/eager_overhead_bench.json``).
 
 Run: ``python benchmarks/eager_overhead_bench.py`` (``--help`` for the workload).
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 from fsdp_traceable.cli.launch import run_on_ranks
 from fsdp_traceable.cli.train import TrainArgs, batch_for, make_optimizer
 from fsdp_traceable.fsdp import fully_shard as ours_fully_shard
@@ -35,6 +37,7 @@ from fsdp_traceable.models.transformer import Transformer, shard_transformer
 
 LIBRARIES = {"fsdp2": fsdp2_fully_shard, "fsdp_traceable": ours_fully_shard}
 PHASES = ("forward", "backward", "optimizer")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _bench_rank(args: TrainArgs, steps: int, result_path: str) -> None:
@@ -97,17 +100,18 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per library")
-    parser.add_argument("--out", default="benchmarks/results/eager_overhead_bench.json")
+    add_output_arguments(parser, "eager_overhead_bench.json")
     cli = parser.parse_args()
     args = TrainArgs(dim=cli.dim, layers=cli.layers, vocab_size=cli.vocab_size,
                      batch_size=cli.batch_size, seq_len=cli.seq_len, optimizer=cli.optimizer,
                      world_size=cli.world_size)
-    out = pathlib.Path(cli.out)
+    out = output_path(cli.out, cli.publish, "eager_overhead_bench.json", ROOT)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_on_ranks(_bench_rank, args, cli.steps, str(out), world_size=cli.world_size)
     report = json.loads(out.read_text())
     report["workload"] = {**vars(cli), "torch": torch.__version__, "machine": platform.machine(),
                           "date": datetime.date.today().isoformat()}
+    report["provenance"] = provenance(ROOT)
     out.write_text(json.dumps(report, indent=2))
     print(format_table(report))
 

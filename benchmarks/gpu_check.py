@@ -27,7 +27,7 @@ reduce-scatter copy-in reads every gradient and writes the padded flat input.
 
 Usage::
 
-    python benchmarks/gpu_check.py [--peak-bandwidth 4.8e12] [--out benchmarks/results/gpu_check.json]
+    python benchmarks/gpu_check.py [--peak-bandwidth 4.8e12] [--out benchmarks/out/gpu/gpu_check.json]
     python benchmarks/gpu_check.py --dry-run   # CPU: buckets, layouts, generated kernels
 
 Stops measuring after ``--time-budget`` seconds (compiles of big buckets are slow)
@@ -48,6 +48,7 @@ from collections.abc import Callable
 import torch
 
 import fsdp_traceable  # noqa: F401  (registers the ops)
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 from fsdp_traceable.collectives import foreach_copies
 from fsdp_traceable.collectives.shard_info import make_shard_info
 from fsdp_traceable.sizes import flatten_sizes
@@ -55,6 +56,7 @@ from fsdp_traceable.sizes import flatten_sizes
 # Peak HBM bandwidth by device name (bytes/s); H200 is the default.
 PEAKS = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 DEFAULT_PEAK = PEAKS["H200"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ("aten", "foreach", "inductor", "triton_tiles", "triton_tiles_compiled")
 COMPILED = ("inductor", "triton_tiles_compiled")
 HOST_CALLS = 20
@@ -302,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", default="9,100,1000")
     parser.add_argument("--time-budget", type=float, default=240.0,
                         help="seconds after which remaining measurements are skipped")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "gpu_check.json"))
+    add_output_arguments(parser, os.path.join("gpu", "gpu_check.json"))
     parser.add_argument("--dry-run", action="store_true", help="build buckets and kernels only (CPU)")
     args = parser.parse_args(argv)
+    args.out = str(output_path(args.out, args.publish, os.path.join("gpu", "gpu_check.json"), ROOT))
     buckets = [int(b) for b in args.buckets.split(",")]
 
     if args.dry_run:
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump({"device": device_name, "peak_bandwidth": peak, "peak_source": source,
                    "world_size": args.world_size, "measured": not args.dry_run,
-                   "results": results}, f, indent=1)
+                   "results": results, "provenance": provenance(ROOT)}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

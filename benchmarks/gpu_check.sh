@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run, with the machine's own python3 and torch (no
 # install, no network): the copy kernels' bandwidth and bits, the training bench on CUDA,
-# and the CUDA-only tests. Results go to benchmarks/results/gpu/, with the commit they
-# measured. Each step runs even if an earlier one failed; the exit code is the first
-# failure's.
+# and the CUDA-only tests. Results go to benchmarks/out/gpu/ (ignored by git; GPU_OUT
+# overrides it), with the commit they measured. Each step runs even if an earlier one
+# failed; the exit code is the first failure's.
 #
 #   make gpu-check                     # or: bash benchmarks/gpu_check.sh
 #   GPU_PYTHON=/path/to/python make gpu-check
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
-OUT=benchmarks/results/gpu
+OUT=${GPU_OUT:-benchmarks/out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"

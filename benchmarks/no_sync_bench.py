@@ -14,7 +14,8 @@ Modes are interleaved: after every mode's warm-up (the first step compiles, with
 empty Inductor cache), each round times one step of every mode in turn, so load
 changes on the machine reach all modes alike. Reports the median step (the slower
 rank's) and its ratio to ``fsdp2-eager-no-sync``; prints a markdown table and writes
-JSON (default ``benchmarks/results/no_sync_bench.json``).
+JSON (default ``benchmarks/out/no_sync_bench.json``; with ``--publish``,
+``benchmarks/results/no_sync_bench.json``).
 
 Run: ``python benchmarks/no_sync_bench.py`` (``--help`` for the workload).
 """
@@ -40,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 import fsdp_traceable
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 from fsdp_traceable.cli.launch import run_on_ranks
 from fsdp_traceable.cli.train import TrainArgs, batch_for, mp_policy_for
 from fsdp_traceable.models.transformer import Transformer, shard_transformer
@@ -48,6 +50,7 @@ COMPILED_SYNC = "compiled-sync-every-microbatch"
 WORKAROUND = "eager-no-sync-compiled-last"
 REFERENCE = "fsdp2-eager-no-sync"
 MODES = (COMPILED_SYNC, WORKAROUND, REFERENCE)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 StepFn = Callable[[int], None]
 
@@ -163,14 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mp", choices=["bf16"], default=None, help="bf16 mixed precision")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (one step per mode)")
-    parser.add_argument("--out", default="benchmarks/results/no_sync_bench.json")
+    add_output_arguments(parser, "no_sync_bench.json")
     options = parser.parse_args(argv)
     if options.microbatches < 2 or options.steps < 1:
         parser.error("--microbatches must be at least 2 and --steps at least 1")
     fields = {k: v for k, v in vars(options).items() if k in TrainArgs.__dataclass_fields__}
     report = run(TrainArgs(**fields, device="cpu"), options.microbatches, options.steps)
+    report["provenance"] = provenance(ROOT)
     print(format_table(report))
-    out = pathlib.Path(options.out)
+    out = output_path(options.out, options.publish, "no_sync_bench.json", ROOT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_train_arguments(bench)
     bench.add_argument("--bench-steps", type=int, default=10, help="timed steps per mode")
     bench.add_argument("--modes", default=None, help="comma-separated subset of the modes")
-    bench.add_argument("--out", default="benchmarks/results", help="output directory")
+    from .bench_output import add_output_arguments
+
+    add_output_arguments(bench, "")
     explain = commands.add_parser(
         "explain", help="compile a train step on a fake process group and report its graphs"
     )
@@ -48,13 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_explain_command(args)
     if args.command == "bench":
         from .bench import MODES, format_table, run_bench, write_outputs
+        from .bench_output import output_path, provenance
         from .train import train_args_from
 
         modes = tuple(args.modes.split(",")) if args.modes else MODES
         report = run_bench(train_args_from(args), steps=args.bench_steps, modes=modes)
         if report:
+            report["provenance"] = provenance()
             print(format_table(report))
-            print("wrote", ", ".join(write_outputs(report, args.out)))
+            out = output_path(args.out, args.publish, "")
+            print("wrote", ", ".join(write_outputs(report, str(out))))
         return 0
     if args.command == "train":
         from .train import format_summary, train_args_from
