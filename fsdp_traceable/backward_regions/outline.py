@@ -21,6 +21,7 @@ storage (saved tensors can), and copies outputs that share storage.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Iterable
 
@@ -33,6 +34,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..fx_ops import is_collective, node_kind, op_name
 
 __all__ = ["outline"]
+
+log = logging.getLogger(__name__)
 
 # Besides data movement, the collective side scales: a pre- or post-divide by the
 # gradient divide factor.
@@ -215,6 +218,7 @@ def _outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
     graph = bw_module.graph
     region, side, after_region = _split(graph)
     if not region:
+        log.debug("backward not outlined: no compute outside the collectives")
         return None
     region_set = set(region)
     inputs = [n for n in graph.nodes
@@ -223,7 +227,10 @@ def _outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
     results = [n for n in region if any(u not in region_set for u in n.users)]
     for node in (*inputs, *results):
         if not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int, float, bool)):
-            return None  # e.g. an opaque object, or a tuple crossing the boundary
+            # e.g. an opaque object, or a tuple crossing the boundary
+            log.debug("backward not outlined: %s (%s) would cross the region boundary",
+                      node.name, type(node.meta.get("val")).__name__)
+            return None
     plan = _alias_plan(inputs)
     region_fn = _region_function(_body(bw_module, region, inputs, plan, results))
 
