@@ -151,17 +151,17 @@ def detect_extension(
             arguments.
         ValueError: a 2-D mesh without dim names (the hooks get the shard sub-mesh).
     """
-    has_pre = hasattr(local, "fsdp_pre_all_gather")
-    has_post = hasattr(local, "fsdp_post_all_gather")
-    if not has_pre and not has_post:
+    pre = _hook_function(local, "fsdp_pre_all_gather")
+    post = _hook_function(local, "fsdp_post_all_gather")
+    if pre is None and post is None:
         return None
-    if has_pre != has_post:
-        missing = "fsdp_post_all_gather" if has_pre else "fsdp_pre_all_gather"
+    if pre is None or post is None:
+        missing = "fsdp_post_all_gather" if pre is not None else "fsdp_pre_all_gather"
         raise TypeError(
             f"parameter {fqn!r}: its local tensor {type(local).__name__} defines only one "
             f"of fsdp_pre_all_gather / fsdp_post_all_gather: define {missing} too, or neither"
         )
-    num_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+    pre_hook, num_args = pre
     if num_args not in (1, 5):
         raise TypeError(
             f"parameter {fqn!r}: {type(local).__name__}.fsdp_pre_all_gather takes "
@@ -179,20 +179,28 @@ def detect_extension(
             "mesh_dim_names=('replicate', 'shard')))"
         )
     return AllGatherExtension(
-        fqn, info, _hook_function(local, "fsdp_pre_all_gather"),
-        _hook_function(local, "fsdp_post_all_gather"), num_args == 1, shard_mesh, mp_policy,
-        module,
-    )
+        fqn, info, pre_hook, post[0], num_args == 1, shard_mesh, mp_policy, module)
 
 
-def _hook_function(local: torch.Tensor, name: str) -> Callable[..., object]:
-    """Hook ``name`` of ``local`` as a function taking the tensor first: the function of
-    a method (of the subclass, or bound onto this tensor), else a callable set on the
-    tensor, which FSDP2 calls without it."""
-    hook = getattr(local, name)
-    if inspect.ismethod(hook) and hook.__self__ is local:
-        return hook.__func__
-    return functools.partial(_call_without_tensor, hook)
+def _hook_function(local: torch.Tensor, name: str) -> tuple[Callable[..., object], int] | None:
+    """Hook ``name`` of ``local`` as (a function taking the tensor first, the number of
+    arguments FSDP passes it), or ``None`` where ``local`` has no such hook.
+
+    A method (of the subclass, or bound onto this tensor) gives its function; another
+    callable set on the tensor is called without it, as FSDP2 calls it.
+    """
+    if hasattr(local, name):
+        hook = getattr(local, name)
+        if inspect.ismethod(hook) and hook.__self__ is local:
+            return hook.__func__, len(inspect.signature(hook.__func__).parameters) - 1
+        return (functools.partial(_call_without_tensor, hook),
+                len(inspect.signature(hook).parameters))
+    # Traced, Dynamo answers hasattr on a tensor subclass from the plain tensor it
+    # traces: a method of the subclass is found on the class.
+    hook = getattr(type(local), name, None)
+    if hook is None:
+        return None
+    return hook, len(inspect.signature(hook).parameters) - 1
 
 
 def _call_without_tensor(hook: Callable[..., object], local: torch.Tensor,

@@ -112,9 +112,7 @@ class ParamGroup:
         self.bindings: list[tuple[nn.Module, str, int]] = []
         # Per parameter: the first module holding it (FSDP2 passes it to the pre hook).
         self.first_holders: list[nn.Module | None] = [None] * len(self.sharded_params)
-        # The hooks as last looked up eagerly (malformed hooks raise now, at fully_shard,
-        # as in FSDP2); what a traced all-gather uses.
-        self.traced_extensions: list[AllGatherExtension | None] = self.extensions
+        _ = self.extensions  # malformed hooks raise now, at fully_shard, as in FSDP2
         # Unsharded parameters gathered by FSDPModule.unshard(), used (and released)
         # by the group's next forward, or dropped by reshard().
         self.explicit_unsharded: tuple[torch.Tensor, ...] | None = None
@@ -164,20 +162,18 @@ class ParamGroup:
                 # go back to host memory.
                 param._local_tensor = _pinned(param._local_tensor.cpu())
             self.sharded_params[index] = param
-        _ = self.extensions  # the new local tensors' hooks, for traced all-gathers too
+        _ = self.extensions  # malformed hooks of the new local tensors raise now
         self.eager = EagerState()
 
     @property
     def extensions(self) -> list[AllGatherExtension | None]:
         """Per parameter: its all-gather hooks, as its local tensor has them now (looked
         up at every all-gather, as FSDP2 does: hooks may be set after ``fully_shard``)."""
-        extensions = [
+        return [
             detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy, holder)
             for fqn, param, info, holder in zip(
                 self.fqns, self.sharded_params, self.infos, self.first_holders)
         ]
-        self.traced_extensions = extensions
-        return extensions
 
     def bind(self, owner: nn.Module, name: str, index: int) -> None:
         """Records that ``owner.<name>`` is parameter ``index`` of this group."""
@@ -207,10 +203,8 @@ class ParamGroup:
         self, sharded_locals: list[torch.Tensor], streams: comm.DeviceStreams | None
     ) -> PendingUnshard:
         sharded_locals = self._on_device(sharded_locals)
-        # Traced, the look-up cannot run: Dynamo answers hasattr on a traced tensor
-        # subclass from the plain tensor it traces, so the hooks are those of the last
-        # eager look-up (fully_shard, an eager all-gather).
-        extensions = self.traced_extensions if torch.compiler.is_compiling() else self.extensions
+        # Traced too: Dynamo guards on the hooks it finds, so hooks set later recompile.
+        extensions = self.extensions
         if all(extension is None for extension in extensions):
             result = foreach_all_gather(sharded_locals, self.infos, self.shard_group,
                                         streams=streams, all_gather_comm=self.all_gather_comm,
