@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -174,3 +175,38 @@ def test_hooks_set_after_fully_shard_recompile_into_the_graph(fake_world):
         # The class hooks are gone again; the ordinary weight all-gathers in bf16 bytes.
         [*plain_fp32[:2], (torch.uint8, 3 * 9 * 2 + 3 * 4)],
     ]
+
+
+def _train_two_steps(model, loss_fn, backward_context) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        loss = loss_fn(*_batch(step, 0))
+        with backward_context():
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_hooks_set_after_fully_shard_compiled_within_1e5_of_fsdp2_eager(one_gloo_rank):
+    torch.manual_seed(0)
+    base = Float8MLP()
+    for linear in (base.first, base.second):
+        linear.weight = nn.Parameter(LateHookWeight(linear.weight.detach()._tensor))
+    theirs = shard_float8_mlp(copy.deepcopy(base), fsdp2_fully_shard)
+    ours = shard_float8_mlp(copy.deepcopy(base), fsdp_traceable.fully_shard)
+    LateHookWeight.fsdp_pre_all_gather = Float8CastWeight.fsdp_pre_all_gather
+    LateHookWeight.fsdp_post_all_gather = Float8CastWeight.fsdp_post_all_gather
+    backward_compiler = torch.compile(backend="aot_eager", fullgraph=True)
+    try:
+        expected = _train_two_steps(theirs, theirs.loss, contextlib.nullcontext)
+        losses = _train_two_steps(
+            ours, torch.compile(ours.loss, backend="aot_eager", fullgraph=True),
+            lambda: torch._dynamo.compiled_autograd._enable(backward_compiler))
+    finally:
+        del LateHookWeight.fsdp_pre_all_gather, LateHookWeight.fsdp_post_all_gather
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
+    for reference, param in zip(theirs.parameters(), ours.parameters()):
+        torch.testing.assert_close(plain(param), plain(reference), rtol=0, atol=1e-5)
