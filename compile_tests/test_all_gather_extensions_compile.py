@@ -3,16 +3,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 import fsdp_traceable
 from fsdp_traceable.testing import count_graph_breaks
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp.float8_weight import Float8MLP, plain, shard_float8_mlp
+from tests.fsdp.float8_weight import (
+    Float8CastWeight,
+    Float8MLP,
+    WrappedWeight,
+    plain,
+    shard_float8_mlp,
+)
 
 STEPS = 3
 ALL_GATHER = "_c10d_functional.all_gather_into_tensor"
@@ -115,3 +123,90 @@ def test_hooks_are_inlined_not_graph_ops(fake_world):
     }
     assert not any("fsdp_pre_all_gather" in t or "fsdp_post_all_gather" in t for t in targets)
     assert any("all_reduce" in t for t in targets)  # the pre hook's max-abs all-reduce
+
+
+class LateHookWeight(WrappedWeight):
+    """A wrapper weight that gets Float8CastWeight's hooks only after fully_shard."""
+
+
+def _bf16_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self.to(torch.bfloat16),), None
+
+
+def _bf16_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    (gathered,) = all_gather_outputs
+    unsharded = gathered.to(param_dtype)
+    return unsharded, (gathered, unsharded)
+
+
+def test_hooks_set_after_fully_shard_recompile_into_the_graph(fake_world):
+    """As FSDP2 looks the hooks up at every all-gather, a compiled step does: Dynamo
+    guards on the hooks it found, and hooks set later (on the class, or bound onto the
+    local tensor) recompile the step with them."""
+    torch.manual_seed(0)
+    base = Float8MLP()
+    for linear in (base.first, base.second):
+        linear.weight = nn.Parameter(LateHookWeight(linear.weight.detach()._tensor))
+    model = shard_float8_mlp(base, fsdp_traceable.fully_shard)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph_module: torch.fx.GraphModule, example_inputs) -> object:
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    step = torch.compile(model.loss, backend=capture, fullgraph=True)
+    step(*_batch(0, 0))
+    try:
+        LateHookWeight.fsdp_pre_all_gather = Float8CastWeight.fsdp_pre_all_gather
+        LateHookWeight.fsdp_post_all_gather = Float8CastWeight.fsdp_post_all_gather
+        step(*_batch(0, 0))
+    finally:
+        del LateHookWeight.fsdp_pre_all_gather, LateHookWeight.fsdp_post_all_gather
+    ordinary = model.ordinary.weight._local_tensor
+    ordinary.fsdp_pre_all_gather = _bf16_pre_all_gather.__get__(ordinary)
+    ordinary.fsdp_post_all_gather = _bf16_post_all_gather.__get__(ordinary)
+    step(*_batch(0, 0))
+    # Per rank: first 7x16 weight + 7 bias, second 5x13 + 5, ordinary 3x9 + 3.
+    plain_fp32 = [(torch.float32, 7 * 16 + 7), (torch.float32, 5 * 13 + 5), (torch.float32, 30)]
+    float8_bytes = [(torch.uint8, 7 * 16 + 7 * 4), (torch.uint8, 5 * 13 + 5 * 4)]
+    assert [_all_gather_inputs(graph) for graph in graphs] == [
+        plain_fp32,
+        [*float8_bytes, (torch.float32, 30)],
+        # The class hooks are gone again; the ordinary weight all-gathers in bf16 bytes.
+        [*plain_fp32[:2], (torch.uint8, 3 * 9 * 2 + 3 * 4)],
+    ]
+
+
+def _train_two_steps(model, loss_fn, backward_context) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        loss = loss_fn(*_batch(step, 0))
+        with backward_context():
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_hooks_set_after_fully_shard_compiled_within_1e5_of_fsdp2_eager(one_gloo_rank):
+    torch.manual_seed(0)
+    base = Float8MLP()
+    for linear in (base.first, base.second):
+        linear.weight = nn.Parameter(LateHookWeight(linear.weight.detach()._tensor))
+    theirs = shard_float8_mlp(copy.deepcopy(base), fsdp2_fully_shard)
+    ours = shard_float8_mlp(copy.deepcopy(base), fsdp_traceable.fully_shard)
+    LateHookWeight.fsdp_pre_all_gather = Float8CastWeight.fsdp_pre_all_gather
+    LateHookWeight.fsdp_post_all_gather = Float8CastWeight.fsdp_post_all_gather
+    backward_compiler = torch.compile(backend="aot_eager", fullgraph=True)
+    try:
+        expected = _train_two_steps(theirs, theirs.loss, contextlib.nullcontext)
+        losses = _train_two_steps(
+            ours, torch.compile(ours.loss, backend="aot_eager", fullgraph=True),
+            lambda: torch._dynamo.compiled_autograd._enable(backward_compiler))
+    finally:
+        del LateHookWeight.fsdp_pre_all_gather, LateHookWeight.fsdp_post_all_gather
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
+    for reference, param in zip(theirs.parameters(), ours.parameters()):
+        torch.testing.assert_close(plain(param), plain(reference), rtol=0, atol=1e-5)

@@ -21,16 +21,21 @@ storage (saved tensors can), and copies outputs that share storage.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..fx_ops import is_collective, node_kind, op_name
 
 __all__ = ["outline"]
+
+log = logging.getLogger(__name__)
 
 # Besides data movement, the collective side scales: a pre- or post-divide by the
 # gradient divide factor.
@@ -125,9 +130,14 @@ def _split(graph: fx.Graph) -> tuple[list[fx.Node], set[fx.Node], set[fx.Node]]:
 
 
 def _same_view(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` and ``b`` are provably the same view of one storage. Sizes,
+    strides and offsets of a backward with dynamic shapes are SymInts of the AOT
+    graph's shape env: compared without adding guards to it; an unprovable equality
+    counts as different (the input is then copied, which is always correct)."""
     va, vb = a.meta["val"], b.meta["val"]
-    return (va.shape == vb.shape and va.stride() == vb.stride() and va.dtype == vb.dtype
-            and va.storage_offset() == vb.storage_offset())
+    return va.dtype == vb.dtype and statically_known_true(sym_eq(
+        (*va.shape, *va.stride(), va.storage_offset()),
+        (*vb.shape, *vb.stride(), vb.storage_offset())))
 
 
 def _alias_plan(inputs: list[fx.Node]) -> dict[fx.Node, tuple[str, fx.Node | None]]:
@@ -197,9 +207,18 @@ def outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
         A graph module with ``bw_module``'s placeholders and outputs: the collective
         side of the graph in place, the rest one region call.
     """
+    # Compiled autograd reads backwards while its tracer's proxy mode is active: any
+    # arithmetic on the graph's SymInt metadata would be dispatched to that tracer,
+    # which does not know the AOT graph's symbols.
+    with disable_proxy_modes_tracing():
+        return _outline(bw_module)
+
+
+def _outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
     graph = bw_module.graph
     region, side, after_region = _split(graph)
     if not region:
+        log.debug("backward not outlined: no compute outside the collectives")
         return None
     region_set = set(region)
     inputs = [n for n in graph.nodes
@@ -208,7 +227,10 @@ def outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
     results = [n for n in region if any(u not in region_set for u in n.users)]
     for node in (*inputs, *results):
         if not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int, float, bool)):
-            return None  # e.g. an opaque object, or a tuple crossing the boundary
+            # e.g. an opaque object, or a tuple crossing the boundary
+            log.debug("backward not outlined: %s (%s) would cross the region boundary",
+                      node.name, type(node.meta.get("val")).__name__)
+            return None
     plan = _alias_plan(inputs)
     region_fn = _region_function(_body(bw_module, region, inputs, plan, results))
 

@@ -12,13 +12,17 @@ FSDP2's contract (torch 2.13, ``_fsdp_param.py``):
 * ``fsdp_post_all_gather(outputs, metadata, param_dtype)`` receives each gathered input
   as ``gathered.view(-1, *input_size[1:])`` and returns ``(unsharded, inner_tensors)``.
 
-The hooks are detected once, when the group is built; every all-gather then only calls
-them. The post hook is always called without ``out=``: here every all-gather returns
-fresh tensors, so there is no earlier unsharded parameter to refill.
+As in FSDP2, the hooks are looked up on the local tensor at every all-gather, so hooks
+set after ``fully_shard`` (on the subclass, or on the local tensor itself, as FSDP2's
+tests monkey-patch them) take effect at the next all-gather; ``fully_shard`` only checks
+the hooks the tensor has then. The post hook is always called without ``out=``: here
+every all-gather returns fresh tensors, so there is no earlier unsharded parameter to
+refill.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,19 +46,20 @@ _PRE_HOOK_SIGNATURE = (
 class AllGatherExtension:
     """How one parameter's local tensor subclass is all-gathered through its hooks.
 
-    Built once per parameter by :func:`detect_extension`; ``module`` is set when the
-    parameter is bound to the module that holds it (FSDP2 passes that module).
+    Built by :func:`detect_extension` at every all-gather, from the hooks the local
+    tensor has then.
     """
 
     fqn: str
     info: ShardInfo
-    # The hooks as functions of the subclass, called with the local tensor first: Dynamo
-    # inlines such a call, where a method call on a tensor would become a graph op.
+    # The hooks as functions called with the local tensor first (a method's function):
+    # Dynamo inlines such a call, where a method call on a tensor would become a graph op.
     pre_hook: Callable[..., tuple[Sequence[torch.Tensor], object]]
     post_hook: Callable[..., tuple[torch.Tensor, object]]
     pre_takes_mesh_only: bool
     shard_mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
+    # The first module holding the parameter (FSDP2 passes it to the pre hook).
     module: nn.Module | None = None
     # The unsharded parameter's contiguous stride, computed once.
     global_stride: tuple[int, ...] = field(init=False)
@@ -125,8 +130,10 @@ def detect_extension(
     info: ShardInfo,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
+    module: nn.Module | None = None,
 ) -> AllGatherExtension | None:
-    """The parameter's :class:`AllGatherExtension`, or ``None`` for a plain tensor.
+    """The parameter's :class:`AllGatherExtension` as its local tensor stands now, or
+    ``None`` for a tensor without hooks.
 
     Args:
         fqn: the parameter's name, for errors.
@@ -134,6 +141,7 @@ def detect_extension(
         info: its :class:`ShardInfo`.
         mesh: the ``fully_shard`` mesh (the hooks get its shard dim).
         mp_policy: the group's mixed-precision policy (passed to the pre hook).
+        module: the first module holding the parameter (passed to the pre hook).
 
     Returns:
         The extension record, or ``None`` when ``local`` has neither hook.
@@ -143,17 +151,17 @@ def detect_extension(
             arguments.
         ValueError: a 2-D mesh without dim names (the hooks get the shard sub-mesh).
     """
-    has_pre = hasattr(local, "fsdp_pre_all_gather")
-    has_post = hasattr(local, "fsdp_post_all_gather")
-    if not has_pre and not has_post:
+    pre = _hook_function(local, "fsdp_pre_all_gather")
+    post = _hook_function(local, "fsdp_post_all_gather")
+    if pre is None and post is None:
         return None
-    if has_pre != has_post:
-        missing = "fsdp_post_all_gather" if has_pre else "fsdp_pre_all_gather"
+    if pre is None or post is None:
+        missing = "fsdp_post_all_gather" if pre is not None else "fsdp_pre_all_gather"
         raise TypeError(
             f"parameter {fqn!r}: its local tensor {type(local).__name__} defines only one "
             f"of fsdp_pre_all_gather / fsdp_post_all_gather: define {missing} too, or neither"
         )
-    num_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+    pre_hook, num_args = pre
     if num_args not in (1, 5):
         raise TypeError(
             f"parameter {fqn!r}: {type(local).__name__}.fsdp_pre_all_gather takes "
@@ -170,11 +178,34 @@ def detect_extension(
             "the shard mesh: give the 2-D mesh dim names (init_device_mesh(..., "
             "mesh_dim_names=('replicate', 'shard')))"
         )
-    subclass = type(local)
     return AllGatherExtension(
-        fqn, info, subclass.fsdp_pre_all_gather, subclass.fsdp_post_all_gather, num_args == 1,
-        shard_mesh, mp_policy,
-    )
+        fqn, info, pre_hook, post[0], num_args == 1, shard_mesh, mp_policy, module)
+
+
+def _hook_function(local: torch.Tensor, name: str) -> tuple[Callable[..., object], int] | None:
+    """Hook ``name`` of ``local`` as (a function taking the tensor first, the number of
+    arguments FSDP passes it), or ``None`` where ``local`` has no such hook.
+
+    A method (of the subclass, or bound onto this tensor) gives its function; another
+    callable set on the tensor is called without it, as FSDP2 calls it.
+    """
+    if hasattr(local, name):
+        hook = getattr(local, name)
+        if inspect.ismethod(hook) and hook.__self__ is local:
+            return hook.__func__, len(inspect.signature(hook.__func__).parameters) - 1
+        return (functools.partial(_call_without_tensor, hook),
+                len(inspect.signature(hook).parameters))
+    # Traced, Dynamo answers hasattr on a tensor subclass from the plain tensor it
+    # traces: a method of the subclass is found on the class.
+    hook = getattr(type(local), name, None)
+    if hook is None:
+        return None
+    return hook, len(inspect.signature(hook).parameters) - 1
+
+
+def _call_without_tensor(hook: Callable[..., object], local: torch.Tensor,
+                         *args: object) -> object:
+    return hook(*args)
 
 
 class AllGatherInputs(NamedTuple):
@@ -185,10 +216,12 @@ class AllGatherInputs(NamedTuple):
     # Each input's size as its pre hook returned it (the post hook's views use it).
     input_sizes: list[torch.Size]
     # Per parameter: how many of ``tensors`` it contributed, the pre hook's metadata
-    # (None for a plain parameter), and the local tensor whose post hook rebuilds it.
+    # (None for a plain parameter), the local tensor whose post hook rebuilds it, and
+    # the extension (or None) whose pre hook ran: its post hook finishes this all-gather.
     counts: list[int]
     metadata: list[object]
     locals: list[torch.Tensor]
+    extensions: list[AllGatherExtension | None]
 
 
 @torch.no_grad()
@@ -228,21 +261,20 @@ def all_gather_inputs(
             input_sizes.append(tensor.size())
         counts.append(len(inputs))
         metadata.append(meta)
-    return AllGatherInputs(tensors, input_infos, input_sizes, counts, metadata, list(sharded_locals))
+    return AllGatherInputs(tensors, input_infos, input_sizes, counts, metadata,
+                           list(sharded_locals), list(extensions))
 
 
 @torch.no_grad()
 def unsharded_from_outputs(
     outputs: Sequence[torch.Tensor],
     gathered: AllGatherInputs,
-    extensions: Sequence[AllGatherExtension | None],
 ) -> list[torch.Tensor]:
     """Runs the post hooks: one unsharded parameter per parameter of the group.
 
     Args:
         outputs: the copy-out's tensors, one per all-gather input.
         gathered: what :func:`all_gather_inputs` returned for this all-gather.
-        extensions: per parameter, its extension or ``None``.
 
     Returns:
         The unsharded parameters, plain ones as the copy-out gave them.
@@ -250,7 +282,7 @@ def unsharded_from_outputs(
     unsharded: list[torch.Tensor] = []
     start = 0
     for count, meta, local, extension in zip(
-        gathered.counts, gathered.metadata, gathered.locals, extensions
+        gathered.counts, gathered.metadata, gathered.locals, gathered.extensions
     ):
         pieces = outputs[start : start + count]
         if extension is None:

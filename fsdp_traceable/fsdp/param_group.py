@@ -107,11 +107,12 @@ class ParamGroup:
                            pin_memory)
             for (_, param), info in zip(named_params, self.infos)
         ]
-        # Per parameter: its all-gather hooks when its local tensor is such a subclass.
-        self.extensions: list[AllGatherExtension | None] = self._detect_extensions()
         # (module, attribute name, parameter index) for every module attribute that
         # holds one of the parameters (a tied weight has several).
         self.bindings: list[tuple[nn.Module, str, int]] = []
+        # Per parameter: the first module holding it (FSDP2 passes it to the pre hook).
+        self.first_holders: list[nn.Module | None] = [None] * len(self.sharded_params)
+        _ = self.extensions  # malformed hooks raise now, at fully_shard, as in FSDP2
         # Unsharded parameters gathered by FSDPModule.unshard(), used (and released)
         # by the group's next forward, or dropped by reshard().
         self.explicit_unsharded: tuple[torch.Tensor, ...] | None = None
@@ -161,28 +162,24 @@ class ParamGroup:
                 # go back to host memory.
                 param._local_tensor = _pinned(param._local_tensor.cpu())
             self.sharded_params[index] = param
-        self.extensions = self._detect_extensions()
-        for owner, _, index in self.bindings:
-            self._set_extension_module(owner, index)
+        _ = self.extensions  # malformed hooks of the new local tensors raise now
         self.eager = EagerState()
 
-    def _detect_extensions(self) -> list[AllGatherExtension | None]:
-        extensions = [
-            detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy)
-            for fqn, param, info in zip(self.fqns, self.sharded_params, self.infos)
+    @property
+    def extensions(self) -> list[AllGatherExtension | None]:
+        """Per parameter: its all-gather hooks, as its local tensor has them now (looked
+        up at every all-gather, as FSDP2 does: hooks may be set after ``fully_shard``)."""
+        return [
+            detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy, holder)
+            for fqn, param, info, holder in zip(
+                self.fqns, self.sharded_params, self.infos, self.first_holders)
         ]
-        self.has_extensions = any(e is not None for e in extensions)
-        return extensions
-
-    def _set_extension_module(self, owner: nn.Module, index: int) -> None:
-        extension = self.extensions[index]
-        if extension is not None and extension.module is None:
-            extension.module = owner  # the first module holding it, as in FSDP2
 
     def bind(self, owner: nn.Module, name: str, index: int) -> None:
         """Records that ``owner.<name>`` is parameter ``index`` of this group."""
         self.bindings.append((owner, name, index))
-        self._set_extension_module(owner, index)
+        if self.first_holders[index] is None:
+            self.first_holders[index] = owner
 
     def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None) -> None:
         """Sets whether this is the root group and what its backward prefetches."""
@@ -206,12 +203,14 @@ class ParamGroup:
         self, sharded_locals: list[torch.Tensor], streams: comm.DeviceStreams | None
     ) -> PendingUnshard:
         sharded_locals = self._on_device(sharded_locals)
-        if not self.has_extensions:
+        # Traced too: Dynamo guards on the hooks it finds, so hooks set later recompile.
+        extensions = self.extensions
+        if all(extension is None for extension in extensions):
             result = foreach_all_gather(sharded_locals, self.infos, self.shard_group,
                                         streams=streams, all_gather_comm=self.all_gather_comm,
                                         check=False)
             return PendingUnshard(result, None)
-        hook_inputs = all_gather_inputs(sharded_locals, self.infos, self.extensions)
+        hook_inputs = all_gather_inputs(sharded_locals, self.infos, extensions)
         result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, self.shard_group,
                                     streams=streams, all_gather_comm=self.all_gather_comm)
         return PendingUnshard(result, hook_inputs)
@@ -221,7 +220,7 @@ class ParamGroup:
         outputs = foreach_all_gather_copy_out(pending.result)
         if pending.hook_inputs is None:
             return outputs
-        return unsharded_from_outputs(outputs, pending.hook_inputs, self.extensions)
+        return unsharded_from_outputs(outputs, pending.hook_inputs)
 
     def _on_device(self, sharded_locals: list[torch.Tensor]) -> list[torch.Tensor]:
         """CPU offload: the host-to-device copy of the shards before their all-gather."""

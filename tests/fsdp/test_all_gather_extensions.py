@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import Counter
 from typing import ClassVar
 
 import pytest
@@ -74,14 +75,7 @@ def _eager_against_fsdp2(rank: int, world_size: int, float8_only_bucket: bool) -
     if float8_only_bucket:
         theirs.second.set_custom_all_gather(_ByteAllGather())
     ours = shard_float8_mlp(copy.deepcopy(base), fsdp_traceable.fully_shard)
-    detections = []
-    detect = param_group.detect_extension
-    param_group.detect_extension = lambda *a: detections.append(a) or detect(*a)
-    try:
-        result = {"theirs": _train(theirs, rank), "ours": _train(ours, rank)}
-    finally:
-        param_group.detect_extension = detect
-    result["detections_while_training"] = len(detections)
+    result = {"theirs": _train(theirs, rank), "ours": _train(ours, rank)}
     result["hooked"] = [
         [e is not None for e in m._fsdp_group.extensions]
         for m in (ours.first, ours.second, ours.ordinary)
@@ -131,10 +125,111 @@ def test_float8_weights_all_gather_one_byte_per_element(eager_runs):
                                  [False, False]]
 
 
+# -- hooks set after fully_shard: FSDP2 looks them up at every all-gather ------------
+
+
+class LateHookWeight(WrappedWeight):
+    """A wrapper weight that gets Float8CastWeight's hooks only after fully_shard."""
+
+
+# Calls of the hooks below, by hook name ("pre", "post").
+HOOK_CALLS: Counter[str] = Counter()
+
+
+def _counted_float8_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    HOOK_CALLS["pre"] += 1
+    return Float8CastWeight.fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module,
+                                                mp_policy)
+
+
+def _counted_float8_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *,
+                                    out=None):
+    HOOK_CALLS["post"] += 1
+    return Float8CastWeight.fsdp_post_all_gather(self, all_gather_outputs, metadata,
+                                                 param_dtype, out=out)
+
+
+def _bf16_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    HOOK_CALLS["pre"] += 1
+    return (self.to(torch.bfloat16),), None
+
+
+@torch.no_grad()
+def _bf16_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    HOOK_CALLS["post"] += 1
+    (gathered,) = all_gather_outputs
+    if out is not None:  # FSDP2 refills its unsharded parameter from the 2nd all-gather on
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            out.copy_(gathered)
+        return None
+    unsharded = gathered.to(param_dtype)
+    return unsharded, (gathered, unsharded)
+
+
+class EvenMLP(nn.Module):
+    """Linears whose weights shard evenly over 2 ranks, so FSDP2 keeps the local tensor
+    objects (and the hooks bound onto them) at its lazy init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 8)
+        self.second = nn.Linear(8, 6)
+        self.ordinary = nn.Linear(6, 5)
+
+    forward = Float8MLP.forward
+    loss = Float8MLP.loss
+
+
+def _bind_instance_hooks(model: nn.Module) -> None:
+    for linear in (model.first, model.second):
+        local = linear.weight._local_tensor
+        # As FSDP2's tests do: methods bound onto the plain local tensor object.
+        local.fsdp_pre_all_gather = _bf16_pre_all_gather.__get__(local)
+        local.fsdp_post_all_gather = _bf16_post_all_gather.__get__(local)
+
+
+def _hooks_set_after_fully_shard(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    base = Float8MLP()
+    for linear in (base.first, base.second):
+        linear.weight = nn.Parameter(LateHookWeight(linear.weight.detach()._tensor))
+    results = {}
+    for name, fully_shard in (("theirs", fsdp2_fully_shard), ("ours", fsdp_traceable.fully_shard)):
+        model = shard_float8_mlp(copy.deepcopy(base), fully_shard)
+        LateHookWeight.fsdp_pre_all_gather = _counted_float8_pre_all_gather
+        LateHookWeight.fsdp_post_all_gather = _counted_float8_post_all_gather
+        HOOK_CALLS.clear()
+        results[f"class_{name}"] = {**_train(model, rank), "calls": dict(HOOK_CALLS)}
+        del LateHookWeight.fsdp_pre_all_gather, LateHookWeight.fsdp_post_all_gather
+    torch.manual_seed(0)
+    base = EvenMLP()
+    for name, fully_shard in (("theirs", fsdp2_fully_shard), ("ours", fsdp_traceable.fully_shard)):
+        model = shard_float8_mlp(copy.deepcopy(base), fully_shard)
+        _bind_instance_hooks(model)
+        HOOK_CALLS.clear()
+        results[f"instance_{name}"] = {**_train(model, rank), "calls": dict(HOOK_CALLS)}
+    return results
+
+
 @pytest.mark.gloo
-def test_hooks_are_detected_at_fully_shard_time_only(eager_runs):
-    _, ranks = eager_runs
-    assert all(run["detections_while_training"] == 0 for run in ranks)
+def test_hooks_set_after_fully_shard_are_used_as_fsdp2_uses_them():
+    # Per step, the two hooked weights are all-gathered in forward and again in backward.
+    all_gathers = STEPS * 2 * 2
+    for run in run_on_local_ranks(_hooks_set_after_fully_shard, WORLD_SIZE):
+        for case in ("class", "instance"):
+            theirs, ours = run[f"{case}_theirs"], run[f"{case}_ours"]
+            assert theirs["calls"] == {"pre": all_gathers, "post": all_gathers}, case
+            # Ours drops the first linear's backward re-gather unfinished (its backward
+            # never reads the weight: its input needs no gradient), so that all-gather's
+            # post hook does not run, once per step.
+            assert ours["calls"] == {"pre": all_gathers, "post": all_gathers - STEPS}, case
+            assert ours["losses"] == theirs["losses"], case
+            assert all(torch.equal(a, b) for a, b in zip(theirs["params"], ours["params"])), case
+            assert len(ours["gathered"]) == len(theirs["gathered"]) == STEPS * 6, case
+            for (bytes_theirs, out_theirs), (bytes_ours, out_ours) in zip(
+                    theirs["gathered"], ours["gathered"]):
+                assert bytes_ours == bytes_theirs, case
+                assert torch.equal(out_ours, out_theirs), case
 
 
 # -- single process: detection, signatures, errors ------------------------------------
