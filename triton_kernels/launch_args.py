@@ -74,14 +74,17 @@ def pack_launch(
         ``(args, kwargs)`` for ``pack_tiles[grid](*args, **kwargs)``.
 
     Raises:
-        ValueError: a byte copy with float sources or a pre-divide, or the reverse.
+        ValueError: a byte copy with float sources or a pre-divide, or a cast with byte
+            sources.
     """
-    if (dst_kind == KIND_BYTES) != (KIND_BYTES in src_kinds):
-        raise ValueError(
-            f"a byte copy (dst_kind KIND_BYTES) needs byte sources and a float copy float "
-            f"sources; got dst_kind {dst_kind} with source kinds {sorted(src_kinds)}")
-    if dst_kind == KIND_BYTES and scale_mode != SCALE_NONE:
-        raise ValueError(f"a byte copy cannot pre-divide; got SCALE_MODE {scale_mode}")
+    if dst_kind == KIND_BYTES:
+        if set(src_kinds) != {KIND_BYTES} or scale_mode != SCALE_NONE:
+            raise ValueError(
+                f"a byte copy (dst_kind KIND_BYTES) copies byte sources without a pre-divide; "
+                f"got source kinds {sorted(src_kinds)}, SCALE_MODE {scale_mode}")
+    elif KIND_BYTES in src_kinds:
+        raise ValueError(f"a cast to dst_kind {dst_kind} needs float sources; got source "
+                         f"kinds {sorted(src_kinds)}")
     args = (src_addresses, out, param_meta, tiles, scale, row_numel, tiles_per_row,
             num_tiles, world)
     constexprs = dict(
