@@ -7,7 +7,10 @@ The Triton interpreter never traces the GPU-only branches (``MANUAL_CASTS=False`
 more than :data:`MAX_REGISTERS` registers per thread.
 
     python -m triton_kernels.gpu_targets                # sm_80, sm_90, sm_100
-    python -m triton_kernels.gpu_targets --arch 90 --workers 2
+    python -m triton_kernels.gpu_targets --arch 90 --sample-arch 80 100
+
+``--sample-arch`` compiles only a pairwise covering of the variants
+(:func:`triton_kernels.variant_sample.pairwise_sample`) for those archs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from triton.backends.compiler import GPUTarget
 
 from .cuda_variants import KernelVariant, cuda_variants
 from .loader import load_kernels
+from .variant_sample import pairwise_sample
 
 ARCHS = (80, 90, 100)
 # 4 warps of a persistent grid: above 128 registers a thread, fewer programs fit an SM.
@@ -144,6 +148,7 @@ class Report:
 
 def check(
     archs: Sequence[int] = ARCHS,
+    sample_archs: Sequence[int] = (),
     workers: int = DEFAULT_WORKERS,
     max_registers: int = MAX_REGISTERS,
     kernels: ModuleType | None = None,
@@ -152,23 +157,30 @@ def check(
     """Compiles the kernels' CUDA variants for each arch.
 
     Args:
-        archs: compute capabilities (80: sm_80, 90: sm_90, 100: sm_100).
+        archs: compute capabilities (80: sm_80, 90: sm_90, 100: sm_100) to compile
+            every variant for.
+        sample_archs: compute capabilities to compile a pairwise covering of the
+            variants for (see :mod:`triton_kernels.variant_sample`).
         workers: compiling processes.
         max_registers: most registers a thread may use.
         kernels: ``kernels.py`` in compiled mode (default: the package's); loaded from
             its file in each worker.
-        variants: the variants to compile for every arch (default: all of
-            :func:`~triton_kernels.cuda_variants.cuda_variants`, per arch).
+        variants: the variants to compile for every arch of ``archs`` (default: all
+            of :func:`~triton_kernels.cuda_variants.cuda_variants`, per arch).
 
     Returns:
         The :class:`Report`; ``report.problems`` is empty when the check passes.
 
     Raises:
-        ValueError: no archs, or ``workers`` or ``max_registers`` below 1.
+        ValueError: no archs, an arch in both lists, or ``workers`` or
+            ``max_registers`` below 1.
     """
-    if not archs or workers < 1 or max_registers < 1:
-        raise ValueError(f"need at least one arch, workers >= 1 and max_registers >= 1; got "
-                         f"archs={list(archs)}, workers={workers}, max_registers={max_registers}")
+    if not (archs or sample_archs) or set(archs) & set(sample_archs):
+        raise ValueError(f"need at least one arch, each in one list; got archs={list(archs)}, "
+                         f"sample_archs={list(sample_archs)}")
+    if workers < 1 or max_registers < 1:
+        raise ValueError(f"need workers >= 1 and max_registers >= 1; got workers={workers}, "
+                         f"max_registers={max_registers}")
     if kernels is None:
         from .loader import kernels_module
 
@@ -176,6 +188,9 @@ def check(
     tasks = [_Task(kernels.__file__, kernels.__name__, variant, arch)
              for arch in archs
              for variant in (variants if variants is not None else cuda_variants(kernels, arch))]
+    tasks += [_Task(kernels.__file__, kernels.__name__, variant, arch)
+              for arch in sample_archs
+              for variant in pairwise_sample(cuda_variants(kernels, arch))]
     start = time.perf_counter()
     methods = multiprocessing.get_all_start_methods()
     # fork: workers inherit the loaded kernels instead of importing everything again.
@@ -194,12 +209,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m triton_kernels.gpu_targets",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS),
-                        help="compute capabilities (default: 80 90 100)")
+    parser.add_argument("--arch", type=int, nargs="*", default=None,
+                        help="compute capabilities to compile every variant for "
+                             "(default: 80 90 100 less the sampled ones)")
+    parser.add_argument("--sample-arch", type=int, nargs="*", default=[],
+                        help="compute capabilities to compile a pairwise covering for")
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
     parser.add_argument("--max-registers", type=int, default=MAX_REGISTERS)
     args = parser.parse_args(argv)
-    report = check(args.arch, args.workers, args.max_registers)
+    archs = args.arch if args.arch is not None else [
+        a for a in ARCHS if a not in args.sample_arch]
+    report = check(archs, args.sample_arch, args.workers, args.max_registers)
     print(report.summary())
     return 1 if report.problems else 0
 
