@@ -16,10 +16,9 @@ import functools
 import torch
 
 from . import layout as layouts
-from .launch_args import pack_launch, unpack_launch
+from .launch_args import PROGRAMS_PER_SM, pack_launch, unpack_launch
 from .loader import kernels_module
 
-PROGRAMS_PER_SM = 4
 # Few programs in the interpreter, which runs them one by one: tests then also cover
 # programs that loop over several tiles.
 INTERPRETER_PROGRAMS = 3

@@ -24,6 +24,8 @@ from .fields import (
 )
 
 NUM_WARPS = 4
+# Programs of a persistent launch per SM (see :func:`triton_kernels.launch.max_programs`).
+PROGRAMS_PER_SM = 4
 PACK_KERNEL, UNPACK_KERNEL = "pack_tiles", "unpack_tiles"
 
 LaunchArgs = tuple[tuple[Any, ...], dict[str, Any]]
