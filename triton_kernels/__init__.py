@@ -3,8 +3,9 @@
 Importing this package registers the ``torch.ops.fsdp_traceable_triton`` ops (see
 :mod:`triton_kernels.ops`) when ``triton`` and ``torch`` are installed. Without torch
 only the torch-free modules import: ``fields``, ``kernels`` (through ``loader``),
-``launch_args``, ``cuda_variants`` and the GPU target check ``gpu_targets``. Use :func:`is_available` to test for
-it without importing anything. The usual entry point is
+``launch_args``, ``cuda_variants`` and the GPU target check ``gpu_targets``.
+Use :func:`is_available` to test for triton without importing anything. The usual
+entry point is
 :mod:`fsdp_traceable.collectives.copy_backends`, which picks these kernels when
 ``fsdp_traceable.config.copy_kernels == "triton"``.
 """

@@ -42,7 +42,8 @@ ALIGNED_ADDRESS = 1 << 20
 PREDIVIDE_SAMPLES = (None, 3.0)
 _DTYPE_OF_KIND = {kind: name for name, kind in KIND_OF_DTYPE_NAME.items()}
 _DTYPE_OF_KIND[KIND_BYTES] = BYTES_DTYPE_NAME
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, **{n: s for s, n in INT_NAME_OF_SIZE.items()}}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2,
+             **{name: size for size, name in INT_NAME_OF_SIZE.items()}}
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ def pack_launches() -> Iterator[tuple[tuple, dict[str, Any]]]:
     refuses (``ValueError``) are skipped.
 
     Returns:
-        An iterator of ``(args, kwargs)`` as :func:`~triton_kernels.launch_args.pack_launch` builds them.
+        ``(args, kwargs)`` pairs as :func:`~triton_kernels.launch_args.pack_launch`
+        builds them.
     """
     kinds = [*KIND_OF_DTYPE_NAME.values(), KIND_BYTES]
     source_sets = [frozenset(c) for r in range(1, len(kinds) + 1)
@@ -173,7 +175,8 @@ def unpack_launches() -> Iterator[tuple[tuple, dict[str, Any]]]:
     views of one element size (``fields.INT_NAME_OF_SIZE``), each aligned or not.
 
     Returns:
-        An iterator of ``(args, kwargs)`` as :func:`~triton_kernels.launch_args.unpack_launch` builds them.
+        ``(args, kwargs)`` pairs as :func:`~triton_kernels.launch_args.unpack_launch`
+        builds them.
     """
     table64 = StandIn("int64", ALIGNED_ADDRESS)
     table32 = StandIn("int32", ALIGNED_ADDRESS)

@@ -126,10 +126,10 @@ def test_known_excesses_are_listed_not_failed_and_strict_fails_them():
     prefix = triton.__version__[:4]
     results = [gpu_targets.CompileResult("pack_tiles(...)", "pack_tiles", 100, 96, 8),
                gpu_targets.CompileResult("unpack_tiles(...)", "unpack_tiles", 90, 200)]
-    known = {(prefix, 100, "pack_tiles"): "measured"}
+    known = {(prefix, 100, "pack_tiles"): (128, 8), (prefix, 90, "unpack_tiles"): (136, 0)}
     report = gpu_targets.Report(results, 0.0, 128, known)
     assert len(report.problems) == 1 and "200 registers" in report.problems[0]
-    assert len(report.known) == 1 and "[known: measured]" in report.known[0]
+    assert len(report.known) == 1 and "accepts 128 registers, 8 bytes" in report.known[0]
     assert "KNOWN (1, not failing)" in report.summary()
     strict = gpu_targets.Report(results, 0.0, 128, {})
     assert len(strict.problems) == 2 and not strict.known
