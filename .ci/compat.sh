@@ -21,6 +21,8 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
 # (hooked into compiled autograd, feature-detected), and DeviceMesh pickling (the FX
 # graph cache key). The main job runs the rest on the pinned torch.
+# Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
+# sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
 EXTENSIONS=compile_tests/test_all_gather_extensions_compile.py
 RECOMPILES=compile_tests/test_recompiles.py
@@ -80,10 +82,13 @@ for i in "${!VERSIONS[@]}"; do
   TORCHINDUCTOR_CACHE_DIR="$PWD/$venv/inductor_cache" \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=10 "${SUBSET[@]}"
   rc=$?
+  "$venv/bin/python" -m triton_kernels.gpu_targets
+  gpu_rc=$?
   set -e
-  echo "torch $version: compatibility subset exit $rc after $((SECONDS - start)) s"
+  echo "torch $version: compatibility subset exit $rc, GPU target check exit $gpu_rc after $((SECONDS - start)) s"
   rm -rf "$venv"
   if [ $rc -ne 0 ] && [ $rc -ne 5 ] && [ $status -eq 0 ]; then status=$rc; fi
+  if [ $gpu_rc -ne 0 ] && [ $status -eq 0 ]; then status=$gpu_rc; fi
   # A failed background build is retried (and reported) by the next iteration.
   if [ -n "$next_pid" ]; then
     wait "$next_pid" || true

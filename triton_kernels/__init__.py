@@ -1,8 +1,11 @@
 """Fused Triton kernels for the copies around FSDP's collectives.
 
 Importing this package registers the ``torch.ops.fsdp_traceable_triton`` ops (see
-:mod:`triton_kernels.ops`); it needs ``triton``. Use :func:`is_available` to test for
-it without importing anything. The usual entry point is
+:mod:`triton_kernels.ops`) when ``triton`` and ``torch`` are installed. Without torch
+only the torch-free modules import: ``fields``, ``kernels`` (through ``loader``),
+``launch_args``, ``cuda_variants`` and the GPU target check ``gpu_targets``.
+Use :func:`is_available` to test for triton without importing anything. The usual
+entry point is
 :mod:`fsdp_traceable.collectives.copy_backends`, which picks these kernels when
 ``fsdp_traceable.config.copy_kernels == "triton"``.
 """
@@ -18,7 +21,7 @@ def is_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-if is_available():
+if is_available() and importlib.util.find_spec("torch") is not None:
     from .ops import (  # noqa: F401  (registers torch.ops.fsdp_traceable_triton)
         SUPPORTED_DTYPES,
         all_gather_copy_in,

@@ -1,5 +1,5 @@
-"""Kernel launches for :mod:`triton_kernels.ops`: which kernel, which arguments, how
-many programs.
+"""Kernel launches for :mod:`triton_kernels.ops`: which kernel, which tables, how
+many programs (the arguments themselves: :mod:`triton_kernels.launch_args`).
 
 Every launch reads the layout's metadata tables (built once per layout and device,
 :func:`triton_kernels.layout.device_tables`); the pack kernel reads its sources
@@ -12,45 +12,19 @@ from __future__ import annotations
 
 import collections
 import functools
-import struct
 
 import torch
 
 from . import layout as layouts
-from .fields import (
-    KIND_BF16,
-    KIND_F16,
-    KIND_F32,
-    SCALE_DIVIDE,
-    SCALE_NONE,
-    SCALE_RECIPROCAL,
-)
+from .launch_args import PROGRAMS_PER_SM, pack_launch, unpack_launch
 from .loader import kernels_module
 
-PROGRAMS_PER_SM = 4
-NUM_WARPS = 4
 # Few programs in the interpreter, which runs them one by one: tests then also cover
 # programs that loop over several tiles.
 INTERPRETER_PROGRAMS = 3
 
 _POINTER_TABLE_CACHE_SIZE = 64
 _pointer_tables: collections.OrderedDict = collections.OrderedDict()
-
-
-def scale_for(predivide_factor: float | None, device: torch.device) -> tuple[int, float]:
-    """The kernel's SCALE_MODE and scalar, following torch's division of a tensor by a
-    Python number: CUDA multiplies by the fp32 reciprocal, the CPU divides."""
-    if predivide_factor is None:
-        return SCALE_NONE, 1.0
-    factor = _to_f32(predivide_factor)
-    if device.type == "cpu":
-        return SCALE_DIVIDE, factor
-    # Double rounding of a quotient through float64 is innocuous: this is 1.0f / factor.
-    return SCALE_RECIPROCAL, _to_f32(1.0 / factor)
-
-
-def _to_f32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -95,7 +69,10 @@ def launch_pack(
         out: the contiguous output of ``world * row_numel`` elements.
         layout: the bucket's layout.
         dst_kind: ``out``'s element kind (``KIND_BYTES``: raw bytes, no cast).
-        scale_mode, scale: the pre-divide (see :func:`scale_for`).
+        scale_mode, scale: the pre-divide (see :func:`triton_kernels.launch_args.scale_for`).
+
+    Raises:
+        ValueError: ``dst_kind`` and the layout's source kinds disagree on a byte copy.
     """
     num_tiles = layout.world_size * layout.tiles_per_row
     if num_tiles == 0:
@@ -103,14 +80,13 @@ def launch_pack(
     device = out.device
     interpret = device.type == "cpu"
     meta, tiles = layouts.device_tables(layout, layouts.PACK, device)
-    kinds = layout.src_kinds
+    args, constexprs = pack_launch(
+        pointer_table(sources, device), out, meta, tiles, scale=scale,
+        row_numel=layout.row_numel, tiles_per_row=layout.tiles_per_row, num_tiles=num_tiles,
+        world=layout.world_size, src_kinds=layout.src_kinds, dst_kind=dst_kind,
+        scale_mode=scale_mode, interpret=interpret, tile=layout.tile)
     kernels_module(interpret).pack_tiles[(min(num_tiles, max_programs(device)),)](
-        pointer_table(sources, device), out, meta, tiles, scale, layout.row_numel,
-        layout.tiles_per_row, num_tiles, layout.world_size,
-        HAS_F32=KIND_F32 in kinds, HAS_BF16=KIND_BF16 in kinds, HAS_F16=KIND_F16 in kinds,
-        DST=dst_kind, MANUAL_CASTS=interpret, SCALE_MODE=scale_mode, TILE=layout.tile,
-        num_warps=NUM_WARPS,
-    )
+        *args, **constexprs)
 
 
 def launch_unpack(source: torch.Tensor, target: torch.Tensor, layout: layouts.ChunkLayout) -> None:
@@ -120,8 +96,9 @@ def launch_unpack(source: torch.Tensor, target: torch.Tensor, layout: layouts.Ch
         return
     device = source.device
     meta, tiles = layouts.device_tables(layout, layouts.UNPACK, device)
+    args, constexprs = unpack_launch(
+        source, target, meta, tiles, row_numel=layout.row_numel, out_numel=layout.out_numel,
+        num_tiles=layout.out_tiles, world=layout.world_size, tile=layout.tile)
     kernels_module(device.type == "cpu").unpack_tiles[(min(layout.out_tiles, max_programs(device)),)](
-        source, target, meta, tiles, layout.row_numel, layout.out_numel, layout.out_tiles,
-        layout.world_size, TILE=layout.tile, num_warps=NUM_WARPS,
-    )
+        *args, **constexprs)
 

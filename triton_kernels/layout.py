@@ -21,12 +21,7 @@ import torch
 
 from fsdp_traceable.sizes import aligned_offsets, ceil_div
 
-from .fields import PARAM_COLS, TILE_COLS, ParamRow
-
-# Lane indices are int32 inside the kernels; larger buckets take the aten path.
-MAX_INDEX = 2**31 - 1
-# Elements per output tile: 16 per thread at 4 warps, whole 16-byte stores.
-DEFAULT_TILE = 2048
+from .fields import DEFAULT_TILE, MAX_INDEX, PARAM_COLS, TILE_COLS, ParamRow
 
 PACK, UNPACK = "pack", "unpack"
 

@@ -29,6 +29,12 @@ def _load(path: str, name: str, interpret: bool) -> ModuleType:
     return module
 
 
+def load_kernels(path: str, name: str) -> ModuleType:
+    """A kernel source file at ``path`` loaded as compiled kernels under module ``name``
+    (e.g. a copy of ``kernels.py`` to compile for GPU targets)."""
+    return _load(path, name, False)
+
+
 def mode_name(interpret: bool) -> str:
     return "interpreted" if interpret else "compiled"
 

@@ -36,8 +36,10 @@ import torch
 from fsdp_traceable.tracing import is_tracing
 
 from . import plans
-from .fields import INT_OF_SIZE, KINDS, SCALE_NONE
-from .launch import launch_pack, launch_unpack, scale_for
+from .dtypes import INT_OF_SIZE, KINDS
+from .fields import SCALE_NONE
+from .launch import launch_pack, launch_unpack
+from .launch_args import scale_for
 from .plans import unsharded_views
 
 SUPPORTED_DTYPES = tuple(KINDS)
@@ -121,7 +123,7 @@ def _reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int, shard_di
         return torch.ops.fsdp_traceable.reduce_scatter_copy_in(
             grads, world_size, shard_dims, reduce_dtype, predivide_factor)
     out = torch.empty(world_size * layout.row_numel, dtype=reduce_dtype, device=grads[0].device)
-    scale_mode, scale = scale_for(predivide_factor, out.device)
+    scale_mode, scale = scale_for(predivide_factor, out.device.type)
     launch_pack(plans.contiguous(grads), out, layout, KINDS[reduce_dtype], scale_mode, scale)
     return out
 

@@ -23,7 +23,8 @@ from fsdp_traceable.sizes import (
 )
 
 from . import layout as layouts
-from .fields import INT_OF_SIZE, KIND_BYTES, KINDS
+from .dtypes import INT_OF_SIZE, KINDS
+from .fields import KIND_BYTES
 
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
