@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo demo-collectives test bench bench-publish bench-copy bench-compiled-copy gpu-check install clean-venv
+.PHONY: demo demo-collectives test lint bench bench-publish bench-copy bench-compiled-copy gpu-check install clean-venv
 
 install: $(STAMP)
 
@@ -45,6 +45,10 @@ bench-publish:
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=30 tests compile_tests; \
 	status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
+
+# Lint and import order (configuration in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # The copy benchmarks write benchmarks/out/*.json; `BENCH_FLAGS=--publish` writes
 # benchmarks/results/ instead.

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..collectives.shard_info import SUPPORTED_DTYPES
+from . import mesh_pickling
 from .arguments import (
     ShardPlacementResult,
     check_offload_policy,
@@ -19,7 +20,6 @@ from .arguments import (
     module_list,
     reshard_after_forward_flag,
 )
-from . import mesh_pickling
 from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
 from .param_group import ParamGroup
 

@@ -22,6 +22,7 @@ from ..collectives import (
     shard_tensor,
 )
 from ..collectives.validation import check_bucket_bytes
+from . import block_backward
 from .all_gather_extensions import (
     AllGatherExtension,
     PendingUnshard,
@@ -29,7 +30,6 @@ from .all_gather_extensions import (
     detect_extension,
     unsharded_from_outputs,
 )
-from . import block_backward
 from .arguments import shard_placement
 from .eager_state import EagerState
 from .post_forward import PostForwardResharding

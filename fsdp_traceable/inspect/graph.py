@@ -13,7 +13,6 @@ reading its output, views skipped.
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from dataclasses import dataclass
 

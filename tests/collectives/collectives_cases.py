@@ -24,8 +24,7 @@ from fsdp_traceable import (
     foreach_all_gather_copy_out,
     foreach_reduce,
 )
-
-from .collectives_reference import (
+from tests.collectives.collectives_reference import (
     BF16,
     FP16,
     FP32,

@@ -9,8 +9,7 @@ import torch
 
 from fsdp_traceable import config
 from fsdp_traceable.collectives import copy_backends
-
-from .copy_cases import (
+from tests.collectives.copy_cases import (
     assert_same_bits,
     bucket,
     copy_out_args,

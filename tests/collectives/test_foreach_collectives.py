@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-
-from .collectives_cases import (
+from tests.collectives.collectives_cases import (
     FP16_GUARD,
     GATHER_CASES,
     PATHS,
@@ -29,7 +28,7 @@ from .collectives_cases import (
     reduce_cases_for,
     run_topologies,
 )
-from .collectives_reference import (
+from tests.collectives.collectives_reference import (
     FP16,
     assert_all_bitwise_equal,
     assert_bitwise_equal,

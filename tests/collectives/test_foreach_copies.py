@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from fsdp_traceable.collectives import foreach_copies
-
-from .copy_cases import (
+from tests.collectives.copy_cases import (
     assert_same_bits,
     bucket,
     copy_out_args,

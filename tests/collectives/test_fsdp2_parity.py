@@ -30,8 +30,7 @@ from fsdp_traceable import (
     make_shard_info,
 )
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-
-from .collectives_reference import assert_all_bitwise_equal
+from tests.collectives.collectives_reference import assert_all_bitwise_equal
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 

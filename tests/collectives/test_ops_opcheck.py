@@ -8,8 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_traceable import make_shard_info, shard_tensor
-
-from .test_ops import (
+from tests.collectives.test_ops import (
     DIM0_SIZES,
     MODES,
     bucket_infos,
