@@ -80,10 +80,11 @@ def test_pairwise_sample_covers_every_pair(sm90_variants):
 
 
 @pytest.mark.slow
-def test_every_cuda_variant_compiles_within_limits():
-    """All variants for sm_90, a pairwise covering for sm_80 and sm_100 (about a
-    minute on 2 free cores); known excesses (``KNOWN_EXCESSES``) are printed."""
-    report = gpu_targets.check(archs=(90,), sample_archs=(80, 100))
+def test_cuda_variants_compile_within_limits():
+    """A pairwise covering of the variants for sm_80, sm_90 and sm_100 (the
+    compatibility job compiles every variant for all three on each Triton it installs);
+    known excesses (``KNOWN_EXCESSES``) are printed."""
+    report = gpu_targets.check(archs=(), sample_archs=(80, 90, 100))
     print(report.summary())
     assert not report.problems, report.summary()
     assert {r.arch for r in report.results} == {80, 90, 100}
