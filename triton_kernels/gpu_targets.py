@@ -53,7 +53,9 @@ KnownExcesses = dict[tuple[str, int, str], tuple[int, int]]
 KNOWN_EXCESSES: KnownExcesses = {
     # 4-byte elements: 136 registers, 3 programs fit an SM (2026-12, Triton 3.6.0).
     ("3.6.", 80, "unpack_tiles"): (136, 0),
-    # ptxas 13.4 stores and loads 4 bytes when row_numel is not 16-divisible (Triton 3.9.0).
+    # ptxas 13.4 stores and loads 4 bytes when row_numel is not 16-divisible (Triton 3.9.0;
+    # the same 126 variants on Triton 3.8.0, torch 2.14's).
+    ("3.8.", 100, "pack_tiles"): (MAX_REGISTERS, 8),
     ("3.9.", 100, "pack_tiles"): (MAX_REGISTERS, 8),
 }
 DEFAULT_WORKERS = 2
