@@ -55,10 +55,15 @@ def _compile_blocks(model: Transformer, backend) -> None:
 
 
 def _train(model: Transformer, steps: int, backward_compiler=None) -> list[float]:
+    return _train_on_batches(model, [_data() for _ in range(steps)], backward_compiler)
+
+
+def _train_on_batches(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      backward_compiler=None) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for _ in range(steps):
-        loss = model.loss(*_data())
+    for batch in batches:
+        loss = model.loss(*batch)
         context = (torch._dynamo.compiled_autograd._enable(backward_compiler)
                    if backward_compiler is not None else contextlib.nullcontext())
         with context:
@@ -163,18 +168,8 @@ def _batch(step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train_on(model: Transformer, seq_lens: list[int], backward_compiler=None) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step, seq_len in enumerate(seq_lens):
-        loss = model.loss(*_batch(step, seq_len))
-        context = (torch._dynamo.compiled_autograd._enable(backward_compiler)
-                   if backward_compiler is not None else contextlib.nullcontext())
-        with context:
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = [_batch(step, seq_len) for step, seq_len in enumerate(seq_lens)]
+    return _train_on_batches(model, batches, backward_compiler)
 
 
 def test_per_block_compile_with_changing_shapes_matches_fsdp2(one_gloo_rank: None) -> None:
