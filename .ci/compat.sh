@@ -42,6 +42,12 @@ SUBSET=(
   compile_tests/test_block_compile.py::test_compiled_autograd_traces_one_block_backward
 )
 
+# The registry's triton-kernels and ours, imported side by side from outside the clone.
+BOTH_KERNEL_PACKAGES='
+import triton_kernels, fsdp_traceable.triton_kernels as ours
+assert "site-packages" in triton_kernels.__file__ and ours.__file__ != triton_kernels.__file__
+print("triton_kernels:", triton_kernels.__file__, "| ours:", ours.__file__)'
+
 venv_of() { echo ".ci-venvs/torch-$1"; }
 
 # Builds the venv of torch $1 (once: a finished venv is marked and kept).
@@ -55,6 +61,8 @@ install() {
   "$venv/bin/pip" install -q --no-compile "torch==$version"
   "$venv/bin/pip" install -q --no-compile pytest expecttest hypothesis numpy
   "$venv/bin/pip" install -q --no-compile --no-deps -e .
+  # Another package named triton_kernels, installed beside ours (see tests/test_packaging.py).
+  "$venv/bin/pip" install -q --no-compile --no-deps triton-kernels==0.1.0
   touch "$venv/.installed"
   echo "torch $version: installed in $((SECONDS - start)) s"
 }
@@ -82,13 +90,17 @@ for i in "${!VERSIONS[@]}"; do
   TORCHINDUCTOR_CACHE_DIR="$PWD/$venv/inductor_cache" \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=10 "${SUBSET[@]}"
   rc=$?
-  "$venv/bin/python" -m triton_kernels.gpu_targets
+  "$venv/bin/python" -m fsdp_traceable.triton_kernels.gpu_targets
   gpu_rc=$?
+  (cd / && "$OLDPWD/$venv/bin/python" -c "$BOTH_KERNEL_PACKAGES")
+  names_rc=$?
   set -e
-  echo "torch $version: compatibility subset exit $rc, GPU target check exit $gpu_rc after $((SECONDS - start)) s"
+  echo "torch $version: compatibility subset exit $rc, GPU target check exit $gpu_rc," \
+    "both triton_kernels exit $names_rc after $((SECONDS - start)) s"
   rm -rf "$venv"
   if [ $rc -ne 0 ] && [ $rc -ne 5 ] && [ $status -eq 0 ]; then status=$rc; fi
   if [ $gpu_rc -ne 0 ] && [ $status -eq 0 ]; then status=$gpu_rc; fi
+  if [ $names_rc -ne 0 ] && [ $status -eq 0 ]; then status=$names_rc; fi
   # A failed background build is retried (and reported) by the next iteration.
   if [ -n "$next_pid" ]; then
     wait "$next_pid" || true

@@ -137,7 +137,7 @@ class Case:
         if impl == "inductor":
             compiled = torch.compile(lambda: aten(*args))
             return lambda: _as_list(compiled())
-        import triton_kernels
+        from fsdp_traceable import triton_kernels
 
         targs = args[:-1] + ([2] * len(self.params),) if op == "all_gather_copy_out" else args
 
@@ -266,7 +266,7 @@ def dry_run(args, buckets: list[int]) -> tuple[list[dict], dict]:
     """CPU-only: builds every bucket and the layouts and tile tables of its three
     copies, and checks the eager implementations bit for bit on a small 9-parameter
     bucket (the Triton kernels in the interpreter)."""
-    from triton_kernels import layout
+    from fsdp_traceable.triton_kernels import layout
 
     small = Case(make_bucket(9, scale=32), args.world_size, "cpu")
     results = []

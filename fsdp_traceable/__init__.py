@@ -14,7 +14,7 @@ Layers, each importing only the ones below it:
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import config
+from . import _source_tree, config  # noqa: F401  (_source_tree: see its docstring)
 from .collectives import (
     AllGatherResult,
     ReduceResult,

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the copies around FSDP's collectives.
 
 Importing this package registers the ``torch.ops.fsdp_traceable_triton`` ops (see
-:mod:`triton_kernels.ops`) when ``triton`` and ``torch`` are installed. Without torch
+:mod:`.ops`) when ``triton`` and ``torch`` are installed. Without torch
 only the torch-free modules import: ``fields``, ``kernels`` (through ``loader``),
 ``launch_args``, ``cuda_variants`` and the GPU target check ``gpu_targets``.
 Use :func:`is_available` to test for triton without importing anything. The usual

@@ -1,4 +1,4 @@
-"""The torch dtypes behind :mod:`triton_kernels.fields`' dtype names (``fields``
+"""The torch dtypes behind :mod:`.fields`' dtype names (``fields``
 itself stays free of torch, so the kernels compile where torch is not installed)."""
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ The Triton interpreter never traces the GPU-only branches (``MANUAL_CASTS=False`
 (no driver, no device, no torch) and fails on a compile error, a register spill, or
 more than :data:`MAX_REGISTERS` registers per thread.
 
-    python -m triton_kernels.gpu_targets                # sm_80, sm_90, sm_100
-    python -m triton_kernels.gpu_targets --arch 90 --sample-arch 80 100
+    python -m fsdp_traceable.triton_kernels.gpu_targets                # sm_80, sm_90, sm_100
+    python -m fsdp_traceable.triton_kernels.gpu_targets --arch 90 --sample-arch 80 100
 
 ``--sample-arch`` compiles only a pairwise covering of the variants
 (:func:`triton_kernels.variant_sample.pairwise_sample`) for those archs. Excesses
@@ -214,7 +214,7 @@ def check(
         archs: compute capabilities (80: sm_80, 90: sm_90, 100: sm_100) to compile
             every variant for.
         sample_archs: compute capabilities to compile a pairwise covering of the
-            variants for (see :mod:`triton_kernels.variant_sample`).
+            variants for (see :mod:`.variant_sample`).
         workers: compiling processes.
         max_registers: most registers a thread may use.
         kernels: ``kernels.py`` in compiled mode (default: the package's); loaded from
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 when every variant compiles within the limits, else 1.
     """
-    parser = argparse.ArgumentParser(prog="python -m triton_kernels.gpu_targets",
+    parser = argparse.ArgumentParser(prog="python -m fsdp_traceable.triton_kernels.gpu_targets",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="*", default=None,
                         help="compute capabilities to compile every variant for "

@@ -25,7 +25,7 @@ the pre-divide factor follows torch's device rule: CUDA multiplies by the fp32
 reciprocal, CPU divides.
 
 This file is loaded once per Triton mode (compiled and interpreted) by
-:mod:`triton_kernels.loader`; import it only through there. For that to work in a
+:mod:`.loader`; import it only through there. For that to work in a
 process whose ``triton`` was imported in the other mode, the kernels call only Triton
 builtins and functions of this file, never ``triton.language.standard``'s
 ``@jit`` functions (``tl.zeros``, ``tl.cdiv``, ...).
@@ -34,7 +34,7 @@ builtins and functions of this file, never ``triton.language.standard``'s
 import triton
 import triton.language as tl
 
-from triton_kernels import fields
+from fsdp_traceable.triton_kernels import fields
 
 # fields' names as constexprs, the only globals a @triton.jit function may read.
 PARAM_COLS = tl.constexpr(fields.PARAM_COLS)

@@ -1,5 +1,5 @@
-"""Kernel launches for :mod:`triton_kernels.ops`: which kernel, which tables, how
-many programs (the arguments themselves: :mod:`triton_kernels.launch_args`).
+"""Kernel launches for :mod:`.ops`: which kernel, which tables, how
+many programs (the arguments themselves: :mod:`.launch_args`).
 
 Every launch reads the layout's metadata tables (built once per layout and device,
 :func:`triton_kernels.layout.device_tables`); the pack kernel reads its sources

@@ -1,8 +1,8 @@
 """What each kernel launch passes: the one place that turns a launch's inputs into the
 kernel's arguments and constexprs.
 
-:mod:`triton_kernels.launch` launches with these on real tensors, and the GPU target
-check (:mod:`triton_kernels.cuda_variants`, :mod:`triton_kernels.gpu_targets`) binds
+:mod:`.launch` launches with these on real tensors, and the GPU target
+check (:mod:`.cuda_variants`, :mod:`.gpu_targets`) binds
 them, on stand-in tensors, to the compiled kernels' signatures, so a constexpr or
 argument added here reaches both. Torch-free.
 """

@@ -42,4 +42,4 @@ def mode_name(interpret: bool) -> str:
 @functools.cache
 def kernels_module(interpret: bool) -> ModuleType:
     """``kernels.py`` decorated as interpreted (``True``) or compiled kernels."""
-    return _load(_KERNELS_FILE, f"triton_kernels._kernels_{mode_name(interpret)}", interpret)
+    return _load(_KERNELS_FILE, f"fsdp_traceable.triton_kernels._kernels_{mode_name(interpret)}", interpret)

@@ -95,7 +95,7 @@ def _triton_module():
             "fsdp_traceable.config.copy_kernels='triton' needs the triton package: "
             "install triton, or set copy_kernels to 'inductor' or 'foreach'"
         )
-    import triton_kernels
+    from fsdp_traceable import triton_kernels
 
     return triton_kernels
 
@@ -148,7 +148,7 @@ AUTO_TRACED_GPU = {
 
 @functools.cache
 def triton_importable() -> bool:
-    """Whether the ``triton`` package (and so :mod:`triton_kernels`) can be imported;
+    """Whether the ``triton`` package (and so :mod:`fsdp_traceable.triton_kernels`) can be imported;
     looked up once, not on every copy."""
     return importlib.util.find_spec("triton") is not None
 

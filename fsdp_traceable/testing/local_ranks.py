@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import multiprocessing.context
 import multiprocessing.forkserver
 import os
 import socket
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp
 __all__ = [
     "free_port",
     "init_default_group",
+    "local_rank_context",
     "run_and_shut_down",
     "run_on_local_ranks",
     "shut_down_process_group",
@@ -82,6 +84,7 @@ def shut_down_process_group() -> None:
 # starts with the caller's environment either way.
 _PRELOADED_MODULES = ["torch", "torch.distributed", "fsdp_traceable"]
 _READ_AT_RUN_TIME = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST"})
+_NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class _RankStarter:
@@ -92,15 +95,12 @@ class _RankStarter:
         self._lock = threading.Lock()
         self._server_env: dict[str, str] | None = None
 
-    @staticmethod
-    def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in env.items() if k not in _READ_AT_RUN_TIME}
-
-    def start_method(self) -> str:
+    def start_method(self, passes_env: bool) -> str:
         """``"forkserver"`` where the preloaded server can start the ranks, else
         ``"spawn"`` (another fork server already runs in this process, or the
-        environment changed since ours started)."""
-        env = self._import_time_env(dict(os.environ))
+        environment changed since ours started). ``passes_env``: the ranks set the
+        caller's environment themselves, so variables read at run time may differ."""
+        env = dict(os.environ)
         with self._lock:
             server = multiprocessing.forkserver._forkserver
             if self._server_env is None:
@@ -109,10 +109,24 @@ class _RankStarter:
                 server.set_forkserver_preload(_PRELOADED_MODULES)
                 server.ensure_running()
                 self._server_env = env
-            return "forkserver" if env == self._server_env else "spawn"
+            ignored = _READ_AT_RUN_TIME if passes_env else _NOT_INHERITED
+            same = all(env.get(k) == self._server_env.get(k)
+                       for k in env.keys() | self._server_env.keys() if k not in ignored)
+            return "forkserver" if same else "spawn"
 
 
 _rank_starter = _RankStarter()
+
+
+def local_rank_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context to start processes that act as local ranks with:
+    forked from the preloaded server (see [Note: preloaded rank processes]) where the
+    caller's environment is the server's, else spawn.
+
+    Returns:
+        A ``multiprocessing`` context.
+    """
+    return mp.get_context(_rank_starter.start_method(passes_env=False))
 
 
 def _local_rank_main(
@@ -167,7 +181,7 @@ def run_on_local_ranks(
             _local_rank_main,
             args=(world_size, free_port(), result_dir, fn, args, timeout_s, num_threads, backend,
                   dict(os.environ)),
-            nprocs=world_size, join=True, start_method=_rank_starter.start_method(),
+            nprocs=world_size, join=True, start_method=_rank_starter.start_method(passes_env=True),
         )
         return [
             torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)

@@ -81,12 +81,12 @@ def test_every_mode_matches_aten(mode, monkeypatch):
 @pytest.mark.parametrize("interpret", [True, False])
 def test_triton_mode_on_cpu_needs_the_interpreter(interpret, monkeypatch):
     """On CPU, ``"triton"`` launches the kernels only with ``TRITON_INTERPRET=1``."""
-    import triton_kernels.ops
+    from fsdp_traceable.triton_kernels import ops as triton_ops
 
     launched = []
     for name in ("launch_pack", "launch_unpack"):
-        real = getattr(triton_kernels.ops, name)
-        monkeypatch.setattr(triton_kernels.ops, name,
+        real = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name,
                             lambda *args, real=real, **kwargs: launched.append(real) or real(*args, **kwargs))
     if interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -12,13 +12,12 @@ a deadline, killing any still alive, so a hang fails the test instead of stallin
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 
 import pytest
 
-from fsdp_traceable.testing.local_ranks import free_port
+from fsdp_traceable.testing.local_ranks import free_port, local_rank_context
 from tests.fsdp.fault_cases import FAULT_STEP, FAULTY_RANK, outcome_path, run_rank
 
 TIMEOUT_S = 10
@@ -34,7 +33,7 @@ def run_scenario(mode: str, where: str, kind: str, out_dir: str) -> list[dict]:
 
     A rank still alive at the deadline is killed and marked ``hung``.
     """
-    context = multiprocessing.get_context("spawn")
+    context = local_rank_context()
     port = free_port()
     processes = [
         context.Process(target=run_rank,

@@ -26,9 +26,9 @@ from tests.collectives.copy_cases import (
 
 pytestmark = pytest.mark.triton
 
-triton_kernels = pytest.importorskip("triton_kernels.ops", reason="triton is not installed")
-from triton_kernels import launch, ops, unsharded_views  # noqa: E402
-from triton_kernels import layout as layouts  # noqa: E402
+triton_kernels = pytest.importorskip("fsdp_traceable.triton_kernels.ops", reason="triton is not installed")
+from fsdp_traceable.triton_kernels import launch, ops, unsharded_views  # noqa: E402
+from fsdp_traceable.triton_kernels import layout as layouts  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 WORLD_SIZES = (1, 2, 3, 4)
