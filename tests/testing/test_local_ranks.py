@@ -1,0 +1,32 @@
+"""How local ranks start: forked from the preloaded server while the caller's
+environment matches it, spawned otherwise, with the caller's environment either way."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+
+pytestmark = pytest.mark.gloo
+
+
+def _parent_and_env(rank: int, world_size: int) -> tuple[int, str | None, str]:
+    return os.getppid(), os.environ.get("FSDP_TRACEABLE_PROBE"), os.environ[
+        "TORCHINDUCTOR_CACHE_DIR"]
+
+
+def test_ranks_fork_from_the_server_and_spawn_when_the_environment_changed(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))
+    (forked_parent, probe, cache_dir), = run_on_local_ranks(_parent_and_env, 1)
+    assert forked_parent != os.getpid()  # the fork server's child
+    assert probe is None
+    # read at run time, so a changed value still forks, and the rank sees it
+    assert cache_dir == str(tmp_path / "a" / "rank0")
+
+    monkeypatch.setenv("FSDP_TRACEABLE_PROBE", "1")  # may be read at import: spawn
+    (spawned_parent, probe, _), = run_on_local_ranks(_parent_and_env, 1)
+    assert spawned_parent == os.getpid()
+    assert probe == "1"
