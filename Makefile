@@ -41,10 +41,17 @@ bench: $(STAMP)
 bench-publish:
 	$(MAKE) bench BENCH_OUT=benchmarks/results
 
-# pytest exits 5 when it collects no test; an empty suite is not a failure here.
+# Two parts: every test but the timing-sensitive ones on two workers (a test file stays
+# on one worker, so its module fixtures run once), then the `serial` ones alone.
+# pytest exits 5 when it collects no test; an empty part is not a failure here.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=30 tests compile_tests; \
-	status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
+	@status=0; \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 tests compile_tests \
+		|| status=$$?; [ $$status -eq 5 ] && status=0; \
+	serial=0; $(PYTEST) -m serial --durations=5 tests compile_tests || serial=$$?; \
+	[ $$serial -eq 5 ] && serial=0; [ $$status -ne 0 ] && exit $$status; exit $$serial
 
 # Lint and import order (configuration in pyproject.toml).
 lint: $(STAMP)

@@ -25,7 +25,8 @@ TIMEOUT_S = 10
 # one collective timeout. Only a hang gets near it.
 JOIN_DEADLINE_S = 240
 PEER_GONE = r"(?i)connection (closed|reset|refused)|socket closed|broken pipe|end of file|peer"
-pytestmark = pytest.mark.gloo
+# Their 10 s collective timeout must not be spent waiting for CPU: run alone.
+pytestmark = [pytest.mark.gloo, pytest.mark.serial]
 
 
 def run_scenario(mode: str, where: str, kind: str, out_dir: str) -> list[dict]:
