@@ -23,11 +23,15 @@ from .outline import outline
 
 __all__ = ["install", "supported"]
 
+# The rules that pick graphs, each added once by its installer (e.g. one module function
+# for every fully_shard model): process-wide, as the hook is, and holding no model.
 _predicates: list[Callable[[fx.GraphModule], bool]] = []
 # Per AOT compiled function (a class): its outlined backward, or None if not outlined.
 # Keyed by the class, not the graph: after an AOTAutograd cache hit every read
 # deserializes a new graph, and all the calls of one compiled block must share one
-# region function for Dynamo to reuse its trace.
+# region function for Dynamo to reuse its trace. Process-wide on purpose: identical
+# blocks of two models run one compiled function (Dynamo caches per code object), and
+# share its region. Held weakly: an entry goes with its compiled function.
 _outlined: WeakKeyDictionary[type, fx.GraphModule | None] = WeakKeyDictionary()
 
 

@@ -14,11 +14,16 @@ from torch.distributed.fsdp import UnshardHandle
 from torch.utils._pytree import tree_map
 
 from ..collectives import comm
-from . import module_settings, saved_unsharded
+from . import module_settings
 from .autograd_bridge import unshard_params
 from .module_settings import check_bool, groups_of
 from .param_group import ParamGroup
 
+# The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
+# per-class cache. They hold no model state (the unsharded parameters live in each
+# module's __dict__), their number is bounded by the program's module classes, and two
+# models of one architecture must get the same classes: Dynamo guards on a module's
+# type, so a class per model would recompile every block of every new model.
 _fsdp_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 _owner_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -271,7 +276,7 @@ def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, d
             if child.explicit_unsharded is None:  # unshard() already gathered it
                 child.prefetch()
         if group.reshard_after_forward:
-            saved_unsharded.register(group, list(unsharded))
+            group.root_state.saved_unsharded.register(group, list(unsharded))
         elif not group.reshard_after_backward and torch.is_grad_enabled():
             group.eager.forward_unsharded = tuple(unsharded)
     return args, kwargs, ForwardScope(unsharded, _enter_hooks(group, traced))
@@ -319,7 +324,7 @@ def release_shared(group: ParamGroup) -> None:
 
 def _release(group: ParamGroup, unsharded: tuple[torch.Tensor, ...]) -> None:
     if not comm.use_traced_path() and group.reshard_after_forward:
-        saved_unsharded.unregister(list(unsharded))
+        group.root_state.saved_unsharded.unregister(list(unsharded))
         # Parameters kept after a backward served this forward; like FSDP2, it
         # reshards them now and backward gathers again.
         group.eager.unsharded_for_backward = None
@@ -330,7 +335,7 @@ def _enter_hooks(group: ParamGroup, traced: bool) -> Any:
     """Eager reshard-after-forward: autograd saves tokens for the unsharded parameters."""
     if traced or not group.reshard_after_forward:
         return None
-    hooks = saved_unsharded.hooks()
+    hooks = group.root_state.saved_unsharded.hooks()
     hooks.__enter__()
     return hooks
 

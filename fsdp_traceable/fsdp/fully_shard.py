@@ -22,9 +22,13 @@ from .arguments import (
 )
 from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
 from .param_group import ParamGroup
+from .root_state import RootState
 
 # The original (unsharded) parameters every fully_shard call replaced: a weight tied
 # across two calls is still the original object in the module sharded second.
+# Process-wide and keyed by the parameter object itself, held weakly: an entry lives
+# only while something still holds the replaced parameter (a module not sharded yet
+# that shares it), and a parameter belongs to one model.
 _replaced_params = WeakIdKeyDictionary()
 # Marks the sharded parameters fully_shard created (an attribute, not a weak
 # reference: module.to_empty() swaps parameters, which weak references forbid):
@@ -211,7 +215,8 @@ def _link_groups(root: FSDPModule) -> None:
     its first module) drives the eager prefetch: each group's forward prefetches
     the next group, each group's backward the previous one. Doing this at
     ``fully_shard`` time, not lazily in the first forward, keeps the compiled
-    forward free of first-call branches (and their recompile).
+    forward free of first-call branches (and their recompile). The groups share one
+    :class:`RootState` (see [Note: per-model state]).
     """
     fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     groups = list({id(m._fsdp_group): m._fsdp_group for m in fsdp_modules}.values())
@@ -220,11 +225,12 @@ def _link_groups(root: FSDPModule) -> None:
         i = position[id(m._fsdp_group)]
         if not m._fsdp_group.explicit_forward_prefetch:
             m._fsdp_next_groups = groups[i + 1 : i + 2]
+    root_state = RootState()
     for i, group in enumerate(groups):
         # groups[0] is the root, which by default keeps its parameters unsharded
         # from forward through backward, so nothing prefetches it.
         previous = groups[i - 1] if i > 1 else None
-        group.set_root(i == 0, previous.prefetch if previous is not None else None)
+        group.set_root(i == 0, previous.prefetch if previous is not None else None, root_state)
     groups[0].list_groups = [g for g in groups[1:] if len(g.modules) > 1]
 
 

@@ -2,7 +2,8 @@
 unsharded gradients its backward produced, into sharded gradients.
 
 Traced, the sharded gradients return through autograd; eager, the reduction is
-started here and finished by :mod:`.reduce_queue`, which writes ``.grad``.
+started here and finished by the model's :class:`~.reduce_queue.ReduceQueue`, which
+writes ``.grad``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 
 from ..collectives import ReduceResult, accumulate_sharded_grad, comm
 from ..collectives.reduce import finish_foreach_reduce, start_foreach_reduce
-from . import reduce_queue
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -94,7 +94,8 @@ def reduce_grads(
         # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
         # groups' gradients; the gradients reach .grad when it is finished (by the
         # next group's reduction or at the end of backward), not through autograd.
-        reduce_queue.put(pending, lambda result: _accumulate(group, indices, result))
+        group.root_state.reduce_queue.put(
+            pending, lambda result: _accumulate(group, indices, result))
         return sharded_grads
     result = finish_foreach_reduce(pending)
     for i, grad in zip(indices, result.sharded_grads):

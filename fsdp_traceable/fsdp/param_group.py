@@ -33,6 +33,7 @@ from .all_gather_extensions import (
 from .arguments import shard_placement
 from .eager_state import EagerState
 from .post_forward import PostForwardResharding
+from .root_state import RootState
 
 if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -62,7 +63,7 @@ class ParamGroup:
         self.device_type = mesh.device_type
         self.is_hsdp = mesh.ndim == 2
         self.shard_group = mesh.get_group(mesh.ndim - 1)
-        block_backward.register(self.shard_group)
+        block_backward.register(self)
         self.replicate_group = mesh.get_group(0) if self.is_hsdp else None
         self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
         self.device = _get_device_from_mesh(mesh)
@@ -94,6 +95,9 @@ class ParamGroup:
         self.explicit_backward_prefetch = False
         # The root group (set by link_groups) reshards after forward only when told to.
         self.is_root = False
+        # What the model shares between its groups (see [Note: per-model state]); the
+        # group is its own model until the root's fully_shard links it.
+        self.root_state = RootState()
 
         # The parameters: one ShardInfo and one sharded DTensor parameter each.
         self.fqns = [fqn for fqn, _ in named_params]
@@ -181,9 +185,12 @@ class ParamGroup:
         if self.first_holders[index] is None:
             self.first_holders[index] = owner
 
-    def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None) -> None:
-        """Sets whether this is the root group and what its backward prefetches."""
+    def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None,
+                 root_state: RootState) -> None:
+        """Sets whether this is the root group, what its backward prefetches, and the
+        model state it shares with the other groups under the root."""
         self.is_root = is_root
+        self.root_state = root_state
         if not self.explicit_backward_prefetch:
             self.prefetch_backward = prefetch_backward
 

@@ -4,6 +4,9 @@ A group's backward starts its reduce-scatter and returns; the reduction is finis
 (waited, all-reduced for HSDP, unpacked into ``.grad``) when the next group starts
 its own, so one reduce-scatter overlaps the next group's gradient computation, and
 at the latest when the backward pass ends. FSDP2 keeps one in flight the same way.
+
+One queue per model (:class:`~fsdp_traceable.fsdp.root_state.RootState`): a model's
+reductions never wait behind another's, and what a model leaves in flight goes with it.
 """
 
 from __future__ import annotations
@@ -15,36 +18,42 @@ import torch
 from ..collectives import ReduceResult
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
 
-_in_flight: list[tuple[PendingReduce, Callable[[ReduceResult], None]]] = []
-# The backward pass whose end finishes _in_flight (autograd's graph task id).
-_flushing_task = [-1]
 
+class ReduceQueue:
+    """One model's started reductions, oldest first, with the backward pass whose end
+    finishes them."""
 
-def put(pending: PendingReduce, on_finished: Callable[[ReduceResult], None]) -> None:
-    """Adds a started reduction, then finishes every earlier one.
+    def __init__(self) -> None:
+        self._in_flight: list[tuple[PendingReduce, Callable[[ReduceResult], None]]] = []
+        # The backward pass whose end finishes _in_flight (autograd's graph task id).
+        self._flushing_task = -1
 
-    Args:
-        pending: the started reduction.
-        on_finished: called with its result once it is finished.
-    """
-    task = torch._C._current_graph_task_id()
-    if task != _flushing_task[0]:
-        # A new backward pass. Reductions left by one that raised before its end are
-        # finished first: every rank started them.
-        finish_all()
-        torch.autograd.Variable._execution_engine.queue_callback(finish_all)
-        _flushing_task[0] = task
-    _in_flight.append((pending, on_finished))
-    while len(_in_flight) > 1:
-        _finish_oldest()
+    def __len__(self) -> int:
+        return len(self._in_flight)
 
+    def put(self, pending: PendingReduce, on_finished: Callable[[ReduceResult], None]) -> None:
+        """Adds a started reduction, then finishes every earlier one.
 
-def finish_all() -> None:
-    """Finishes every reduction in flight (the end-of-backward callback)."""
-    while _in_flight:
-        _finish_oldest()
+        Args:
+            pending: the started reduction.
+            on_finished: called with its result once it is finished.
+        """
+        task = torch._C._current_graph_task_id()
+        if task != self._flushing_task:
+            # A new backward pass. Reductions left by one of this model's that raised
+            # before its end are finished first: every rank started them.
+            self.finish_all()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_all)
+            self._flushing_task = task
+        self._in_flight.append((pending, on_finished))
+        while len(self._in_flight) > 1:
+            self._finish_oldest()
 
+    def finish_all(self) -> None:
+        """Finishes every reduction in flight (the end-of-backward callback)."""
+        while self._in_flight:
+            self._finish_oldest()
 
-def _finish_oldest() -> None:
-    pending, on_finished = _in_flight.pop(0)
-    on_finished(finish_foreach_reduce(pending))
+    def _finish_oldest(self) -> None:
+        pending, on_finished = self._in_flight.pop(0)
+        on_finished(finish_foreach_reduce(pending))

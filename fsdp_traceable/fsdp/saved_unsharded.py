@@ -12,6 +12,10 @@ weight: 1-byte data plus a scale). A saved tensor of such a subclass (the parame
 or one derived from it, such as its transpose) has each inner tensor that lives in
 one of the parameter's inner tensors swapped for a token the same way, and is rebuilt
 with ``__tensor_unflatten__`` around the re-gathered inner tensors.
+
+Each model has its own :class:`SavedUnsharded` (on its
+:class:`~fsdp_traceable.fsdp.root_state.RootState`): its hooks swap only that model's
+parameters, and nothing of a model outlives it here.
 """
 
 from __future__ import annotations
@@ -24,11 +28,6 @@ if TYPE_CHECKING:
     from .param_group import ParamGroup
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-# storage data_ptr -> (group, parameter index, dtype, inner attribute or None) of every
-# unsharded parameter (or inner tensor of one) alive in an eager forward that reshards
-# after forward.
-_live_unsharded: dict[int, tuple[ParamGroup, int, torch.dtype, str | None]] = {}
 
 
 class _SavedUnshardedView(NamedTuple):
@@ -60,47 +59,63 @@ def _storage_tensors(tensor: torch.Tensor) -> list[tuple[str | None, torch.Tenso
     return [(attr, t) for attr, t in inner if type(t) in _PLAIN and t.numel() > 0]
 
 
-def register(group: ParamGroup, unsharded: list[torch.Tensor]) -> None:
-    for index, tensor in enumerate(unsharded):
-        for attr, storage_tensor in _storage_tensors(tensor):
-            _live_unsharded[storage_tensor.untyped_storage().data_ptr()] = (
-                group, index, storage_tensor.dtype, attr)
+class SavedUnsharded:
+    """One model's unsharded parameters alive in an eager forward that reshards after
+    forward, and the saved-tensor hooks that swap them for tokens."""
 
+    def __init__(self) -> None:
+        # storage data_ptr -> (group, parameter index, dtype, inner attribute or None)
+        # of every unsharded parameter (or inner tensor of one) registered.
+        self._live: dict[int, tuple[ParamGroup, int, torch.dtype, str | None]] = {}
 
-def unregister(unsharded: list[torch.Tensor]) -> None:
-    for tensor in unsharded:
-        for _, storage_tensor in _storage_tensors(tensor):
-            _live_unsharded.pop(storage_tensor.untyped_storage().data_ptr(), None)
+    def __len__(self) -> int:
+        return len(self._live)
 
+    def register(self, group: ParamGroup, unsharded: list[torch.Tensor]) -> None:
+        """Saves of ``unsharded`` (``group``'s parameters, by index) become tokens."""
+        for index, tensor in enumerate(unsharded):
+            for attr, storage_tensor in _storage_tensors(tensor):
+                self._live[storage_tensor.untyped_storage().data_ptr()] = (
+                    group, index, storage_tensor.dtype, attr)
 
-def _token(tensor: torch.Tensor) -> _SavedUnshardedView | None:
-    """The token for a plain strided ``tensor`` living in an unsharded parameter."""
-    if tensor.layout != torch.strided:
-        return None
-    entry = _live_unsharded.get(tensor.untyped_storage().data_ptr())
-    if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
-        return None
-    group, index, _, attr = entry
-    return _SavedUnshardedView(
-        group, index, attr, tensor.size(), tensor.stride(), tensor.storage_offset()
-    )
+    def unregister(self, unsharded: list[torch.Tensor]) -> None:
+        """Ends what :meth:`register` started (the forward that gathered them ended)."""
+        for tensor in unsharded:
+            for _, storage_tensor in _storage_tensors(tensor):
+                self._live.pop(storage_tensor.untyped_storage().data_ptr(), None)
 
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context that swaps saved unsharded parameters for tokens."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-def _pack(tensor: torch.Tensor) -> object:
-    # Runs for every tensor autograd saves: the common miss costs one storage lookup.
-    if type(tensor) in _PLAIN:
-        token = _token(tensor)
-        return tensor if token is None else token
-    flatten = getattr(tensor, "__tensor_flatten__", None)
-    if flatten is None or not _live_unsharded:
-        return tensor
-    attrs, context = flatten()
-    inner = {attr: getattr(tensor, attr) for attr in attrs}
-    tokens = {attr: _token(t) if type(t) in _PLAIN else None for attr, t in inner.items()}
-    if all(token is None for token in tokens.values()):
-        return tensor
-    return _SavedSubclass(type(tensor), context, tensor.size(), tensor.stride(),
-                          {attr: tokens[attr] or inner[attr] for attr in attrs})
+    def _token(self, tensor: torch.Tensor) -> _SavedUnshardedView | None:
+        """The token for a plain strided ``tensor`` living in an unsharded parameter."""
+        if tensor.layout != torch.strided:
+            return None
+        entry = self._live.get(tensor.untyped_storage().data_ptr())
+        if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
+            return None
+        group, index, _, attr = entry
+        return _SavedUnshardedView(
+            group, index, attr, tensor.size(), tensor.stride(), tensor.storage_offset()
+        )
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        # Runs for every tensor autograd saves: the common miss costs one storage lookup.
+        if type(tensor) in _PLAIN:
+            token = self._token(tensor)
+            return tensor if token is None else token
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is None or not self._live:
+            return tensor
+        attrs, context = flatten()
+        inner = {attr: getattr(tensor, attr) for attr in attrs}
+        tokens = {attr: self._token(t) if type(t) in _PLAIN else None
+                  for attr, t in inner.items()}
+        if all(token is None for token in tokens.values()):
+            return tensor
+        return _SavedSubclass(type(tensor), context, tensor.size(), tensor.stride(),
+                              {attr: tokens[attr] or inner[attr] for attr in attrs})
 
 
 def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
@@ -119,8 +134,3 @@ def _unpack(saved: object) -> torch.Tensor:
         return saved.cls.__tensor_unflatten__(inner, saved.flatten_context, saved.size,
                                               saved.stride)
     return saved
-
-
-def hooks() -> torch.autograd.graph.saved_tensors_hooks:
-    """The context that swaps saved unsharded parameters for tokens."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)

@@ -9,7 +9,7 @@ import torch
 import fsdp_traceable.fsdp.gradient_reduction as gradient_reduction_module
 import fsdp_traceable.fsdp.param_group as param_group_module
 from fsdp_traceable.cli.memory import peak_allocated_bytes
-from fsdp_traceable.fsdp import saved_unsharded
+from fsdp_traceable.fsdp.saved_unsharded import SavedUnsharded
 from fsdp_traceable.models.transformer import TransformerConfig
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import parity_cases
@@ -36,7 +36,7 @@ def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
     unsharded_storages: dict[int, torch.Tensor] = {}
     saved_bytes = 0
     original_copy_out = param_group_module.foreach_all_gather_copy_out
-    original_pack = saved_unsharded._pack
+    original_pack = SavedUnsharded._pack
 
     def recording_copy_out(result):
         outputs = original_copy_out(result)
@@ -51,14 +51,14 @@ def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
         return packed
 
     param_group_module.foreach_all_gather_copy_out = recording_copy_out
-    saved_unsharded._pack = lambda t: record(t, original_pack(t))
+    SavedUnsharded._pack = lambda self, t: record(t, original_pack(self, t))
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: record(t, t), lambda t: t):
             loss = model.loss(*batch(0, torch.distributed.get_rank(), 2, CONFIG))
         loss.backward()  # backward still works: it re-gathers what forward did not keep
     finally:
         param_group_module.foreach_all_gather_copy_out = original_copy_out
-        saved_unsharded._pack = original_pack
+        SavedUnsharded._pack = original_pack
     return saved_bytes
 
 
