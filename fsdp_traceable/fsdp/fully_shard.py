@@ -11,8 +11,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import _torch_patches
 from ..collectives.shard_info import SUPPORTED_DTYPES
-from . import mesh_pickling
 from .arguments import (
     ShardPlacementResult,
     check_offload_policy,
@@ -92,7 +92,7 @@ def fully_shard(
     offload_to_cpu = check_offload_policy(offload_policy)
     ignored = ignored_param_ids(ignored_params)
     owned = _managed_params(modules, ignored)
-    mesh_pickling.install()
+    _torch_patches.drop_mesh_hash_from_pickles()  # See [Note: torch patches]
     group = ParamGroup(
         [(fqn, param) for fqn, param, _ in owned], mesh,
         reshard_after_forward=reshard, mp_policy=mp_policy,
