@@ -20,8 +20,9 @@ from .arguments import (
     module_list,
     reshard_after_forward_flag,
 )
-from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
+from .fsdp_module import FSDPModule, fsdp_class, swap_class
 from .param_group import ParamGroup
+from .unsharded_binding import owner_class
 
 # The original (unsharded) parameters every fully_shard call replaced: a weight tied
 # across two calls is still the original object in the module sharded second.

@@ -80,7 +80,7 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        # Gradient reduction and prefetch settings (see module_settings).
+        # Gradient reduction and prefetch settings (see FSDPModule's setters).
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
