@@ -8,6 +8,7 @@ reshard-after-forward.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -16,6 +17,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..collectives import comm
+from ..profiler_labels import phase
 from . import saved_unsharded
 from .autograd_bridge import unshard_params
 from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
@@ -23,6 +25,8 @@ from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
 if TYPE_CHECKING:
     from .fsdp_module import FSDPModule
     from .param_group import ParamGroup
+
+log = logging.getLogger(__name__)
 
 
 class ForwardScope(NamedTuple):
@@ -72,6 +76,11 @@ def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, d
     calling ``forward``, or the second module of a ``fully_shard([a, b])`` group)
     reuses them.
     """
+    with phase("pre_forward", module._fsdp_group.name):
+        return _pre_forward(module, args, kwargs)
+
+
+def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict, ForwardScope]:
     group = module._fsdp_group
     _check_input_device(module, group.device_type, args, kwargs)
     policy = group.mp_policy
@@ -113,6 +122,11 @@ def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, d
 
 def post_forward(module: FSDPModule, scope: ForwardScope, output: Any) -> Any:
     """Releases what :func:`pre_forward` bound (per the group's pass) and casts the output."""
+    with phase("post_forward", module._fsdp_group.name):
+        return _post_forward(module, scope, output)
+
+
+def _post_forward(module: FSDPModule, scope: ForwardScope, output: Any) -> Any:
     group = module._fsdp_group
     if scope.hooks is not None:
         scope.hooks.__exit__(None, None, None)
@@ -152,12 +166,22 @@ def release_shared(group: ParamGroup) -> None:
 
 
 def _release(group: ParamGroup, unsharded: tuple[torch.Tensor, ...]) -> None:
-    if not comm.use_traced_path() and group.reshard_after_forward:
+    if comm.use_traced_path():
+        unbind_unsharded(group)
+        return
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("group %r after forward: %s", group.name,
+                  "reshard (backward re-gathers)" if group.reshard_after_forward
+                  else "keep the unsharded parameters for backward")
+    if not group.reshard_after_forward:
+        unbind_unsharded(group)
+        return
+    with phase("reshard", group.name):
         saved_unsharded.unregister(list(unsharded))
         # Parameters kept after a backward served this forward; like FSDP2, it
         # reshards them now and backward gathers again.
         group.eager.unsharded_for_backward = None
-    unbind_unsharded(group)
+        unbind_unsharded(group)
 
 
 def _enter_hooks(group: ParamGroup, traced: bool) -> Any:

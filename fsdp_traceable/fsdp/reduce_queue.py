@@ -14,6 +14,7 @@ import torch
 
 from ..collectives import ReduceResult
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
+from ..profiler_labels import phase
 
 _in_flight: list[tuple[PendingReduce, Callable[[ReduceResult], None]]] = []
 # The backward pass whose end finishes _in_flight (autograd's graph task id).
@@ -41,8 +42,9 @@ def put(pending: PendingReduce, on_finished: Callable[[ReduceResult], None]) -> 
 
 def finish_all() -> None:
     """Finishes every reduction in flight (the end-of-backward callback)."""
-    while _in_flight:
-        _finish_oldest()
+    with phase("root_post_backward"):
+        while _in_flight:
+            _finish_oldest()
 
 
 def _finish_oldest() -> None:
