@@ -103,6 +103,8 @@ def fully_shard(
         shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
         pin_memory=offload_to_cpu and offload_policy.pin_memory,
     )
+    if log.isEnabledFor(logging.DEBUG):
+        _log_group(group, modules)
     for _, param, _ in owned:
         _replaced_params[param] = True
     for sharded in group.sharded_params:
@@ -123,8 +125,6 @@ def fully_shard(
         m._fsdp_group = group
         m._fsdp_next_groups = []
     group.modules = list(modules)
-    if log.isEnabledFor(logging.DEBUG):
-        _log_group(group, modules)
     if len(modules) == 1:
         _link_groups(modules[0])
     return module
