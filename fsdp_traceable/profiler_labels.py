@@ -39,7 +39,10 @@ def phase(name: str, module: str = "") -> contextlib.AbstractContextManager:
         name: the phase, e.g. ``"all_gather"``.
         module: the path of the group's module under the root, shown after the phase.
     """
-    # is_tracing first: under Dynamo it is a constant and nothing after it is traced.
-    if is_tracing() or not torch.autograd.profiler._is_profiler_enabled:
+    # is_compiling first: under Dynamo it is a constant and nothing after it is traced
+    # (reading the profiler flag there would guard on it); then the cheap flag, so an
+    # unprofiled eager call stops there; then the other tracers (make_fx, fake tensors).
+    if (torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled
+            or is_tracing()):
         return contextlib.nullcontext()
     return torch.profiler.record_function(label(name, module))
