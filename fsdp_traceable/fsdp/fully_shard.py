@@ -104,7 +104,7 @@ def fully_shard(
         pin_memory=offload_to_cpu and offload_policy.pin_memory,
     )
     if log.isEnabledFor(logging.DEBUG):
-        _log_group(group, modules)
+        _log_group(group, modules, reshard)
     for _, param, _ in owned:
         _replaced_params[param] = True
     for sharded in group.sharded_params:
@@ -130,11 +130,10 @@ def fully_shard(
     return module
 
 
-def _log_group(group: ParamGroup, modules: list[nn.Module]) -> None:
+def _log_group(group: ParamGroup, modules: list[nn.Module], reshard: bool | int | None) -> None:
     """Debug log: one ``fully_shard`` call's group (``TORCH_LOGS="+fsdp_traceable"``)."""
     params = ", ".join(f"{fqn} {tuple(info.global_size)}->{tuple(info.sharded_size)}"
                        for fqn, info in zip(group.fqns, group.infos))
-    reshard = group._reshard_after_forward
     log.debug(
         "fully_shard(%s): group of %d parameters (%d elements, %s): %s; mesh %s "
         "(%s); reshard_after_forward=%s; mp_policy param_dtype=%s reduce_dtype=%s; "
@@ -144,8 +143,7 @@ def _log_group(group: ParamGroup, modules: list[nn.Module]) -> None:
         ", ".join(sorted({str(p.dtype) for p in group.sharded_params})) or "no dtype",
         params or "none", tuple(group.mesh.shape),
         "HSDP (replicate, shard)" if group.is_hsdp else "FSDP",
-        "default (True except the root)" if reshard is None
-        else (group.post_forward.group_size if group.post_forward is not None else reshard),
+        "default (True except the root)" if reshard is None else reshard,
         group.mp_policy.param_dtype, group.mp_policy.reduce_dtype, group.offload_to_cpu,
     )
 
