@@ -19,8 +19,8 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # float8-style weight's all-gather hooks traced by Dynamo, the graph-break tests, the
 # recompile tests of the train loop, train/eval and dynamic batch size, the compiled
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
-# (hooked into compiled autograd, feature-detected), and DeviceMesh pickling (the FX
-# graph cache key). The main job runs the rest on the pinned torch.
+# (hooked into compiled autograd, feature-detected), and the patches of torch (each one
+# applied, and still needed on this torch). The main job runs the rest on the pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
 # sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
@@ -31,7 +31,7 @@ SUBSET=(
   "$FULLY_SHARD[2-eager-adamw]"
   "$FULLY_SHARD[2-compile-ca-aot-eager-sgd]"
   compile_tests/test_fully_shard_compile.py
-  tests/fsdp/test_mesh_pickling.py
+  tests/test_torch_patches.py
   "$EXTENSIONS::test_compiled_all_gather_carries_float8_weights_as_bytes"
   "$EXTENSIONS::test_hooks_are_inlined_not_graph_ops"
   compile_tests/test_graph_breaks.py

@@ -1,15 +1,21 @@
 """fsdp_traceable: FSDP2's bucketed collectives as functional, traceable ops, and a
 drop-in ``fully_shard`` on top.
 
-Layers, each importing only the ones below it:
+Layers, lowest first, each importing only its own and the ones below it
+(``tests/test_import_layers.py``):
 
-* :mod:`.config`, :mod:`.sizes`, :mod:`.tracing`: switches and shared arithmetic.
+* :mod:`.config`, :mod:`.sizes`, :mod:`.tracing`, :mod:`.fx_ops`: switches and shared
+  arithmetic; :mod:`._torch_patches`: every patch of torch; :mod:`.profiler_labels`.
 * :mod:`.collectives`: the ``torch.ops.fsdp_traceable`` copy ops and the foreach
   all-gather / reduce on plain tensors (traced and eager paths).
+* :mod:`.backward_regions`: compiled autograd's backward of a repeated block as one region.
 * :mod:`.fsdp`: ``fully_shard`` and ``FSDPModule``.
-* :mod:`.inspect` and :mod:`.testing`: reading compiled graphs, pinning graph breaks
+* :mod:`.models`: the built-in transformer.
+* :mod:`.inspect`, then :mod:`.testing`: reading compiled graphs, pinning graph breaks
   and recompiles, process-group set-ups for tests (imported on demand).
 * :mod:`.cli`: the ``python -m fsdp_traceable`` commands (imported on demand).
+
+Debug logs: ``TORCH_LOGS="+fsdp_traceable"``.
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy

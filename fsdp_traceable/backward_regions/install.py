@@ -1,12 +1,14 @@
 """Compiled autograd, with each chosen AOT backward pasted as one region call.
 
 Compiled autograd reads every AOT backward it pastes through
-``torch._dynamo.compiled_autograd.extract_bw_module``; :func:`install` wraps that
-function once so the graphs a predicate picks come back outlined
+``torch._dynamo.compiled_autograd.extract_bw_module``; :func:`install` has it read
+them through :func:`_outline_if_picked` (the patch itself is
+:func:`fsdp_traceable._torch_patches.rewrite_aot_backwards`), so the graphs a
+predicate picks come back outlined
 (:func:`~fsdp_traceable.backward_regions.outline.outline`). No public torch hook
-exists for this: the wrapper is feature-detected, and where torch lacks the function
-(or ``nested_compile_region``) nothing is installed and compiled autograd pastes as
-before. ``fsdp_traceable.config.backward_regions = False`` turns the rewrite off.
+exists for this: where torch lacks the function (or ``nested_compile_region``)
+nothing is installed and compiled autograd pastes as before.
+``fsdp_traceable.config.backward_regions = False`` turns the rewrite off.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.fx as fx
 
-from .. import config
+from .. import _torch_patches, config
 from .outline import outline
 
 __all__ = ["install", "supported"]
@@ -37,9 +39,20 @@ _outlined: WeakKeyDictionary[type, fx.GraphModule | None] = WeakKeyDictionary()
 
 def supported() -> bool:
     """Whether this torch's compiled autograd can take outlined backwards."""
-    module = getattr(torch._dynamo, "compiled_autograd", None)
-    return (module is not None and hasattr(module, "extract_bw_module")
+    return (_torch_patches.extract_bw_module_exists()
             and hasattr(torch.compiler, "nested_compile_region"))
+
+
+def _outline_if_picked(compiled_function: Any, bw_module: fx.GraphModule) -> fx.GraphModule:
+    """The backward compiled autograd pastes for ``compiled_function``: outlined if a
+    predicate picks it (judged once per compiled function), else ``bw_module``."""
+    if not config.backward_regions:
+        return bw_module
+    if compiled_function not in _outlined:
+        picked = any(predicate(bw_module) for predicate in _predicates)
+        _outlined[compiled_function] = outline(bw_module) if picked else None
+    outlined = _outlined[compiled_function]
+    return outlined if outlined is not None else bw_module
 
 
 def install(should_outline: Callable[[fx.GraphModule], bool]) -> bool:
@@ -53,25 +66,7 @@ def install(should_outline: Callable[[fx.GraphModule], bool]) -> bool:
     """
     if not supported():
         return False
-    module = torch._dynamo.compiled_autograd
-    if not getattr(module.extract_bw_module, "_fsdp_traceable_outlines", False):
-        original = module.extract_bw_module
-
-        # Compiled autograd can capture while Dynamo's frame hook is set (torch 2.11
-        # after a graph break at ``backward()``); this frame must not be traced.
-        @torch.compiler.disable
-        def extract_bw_module(compiled_function: Any) -> Any:
-            bw_module = original(compiled_function)
-            if not config.backward_regions or not isinstance(bw_module, fx.GraphModule):
-                return bw_module
-            if compiled_function not in _outlined:
-                picked = any(predicate(bw_module) for predicate in _predicates)
-                _outlined[compiled_function] = outline(bw_module) if picked else None
-            outlined = _outlined[compiled_function]
-            return outlined if outlined is not None else bw_module
-
-        extract_bw_module._fsdp_traceable_outlines = True
-        module.extract_bw_module = extract_bw_module
+    _torch_patches.rewrite_aot_backwards(_outline_if_picked)
     if should_outline not in _predicates:
         _predicates.append(should_outline)
     return True

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from . import foreach_copies
 from . import ops as aten_ops
 
 _TRITON_DEVICES = ("cuda", "xpu")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,21 @@ def backend_for(tensors: Sequence[torch.Tensor], copy: str, num_params: int) -> 
         backend = auto_backend(first, copy, num_params)
     else:
         backend = COPY_BACKENDS[mode]
-    return backend if backend.serves(first) else ATEN
+    chosen = backend if backend.serves(first) else ATEN
+    # Not while Dynamo traces (a logger call there is a graph break).
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
+        device = first[0].device.type if first else "no device"
+        _log_choice(copy, mode, backend.name, chosen.name, device, is_tracing(first))
+    return chosen
+
+
+@functools.cache
+def _log_choice(copy: str, mode: str, picked: str, chosen: str, device: str,
+                traced: bool) -> None:
+    """Debug log, once per distinct choice: which backend runs ``copy``."""
+    fallback = f" ({picked} does not serve these tensors)" if picked != chosen else ""
+    log.debug("copy backend for %s on %s%s: %s%s (copy_kernels=%r)", copy, device,
+              " (traced)" if traced else "", chosen, fallback, mode)
 
 
 def all_gather_copy_in(

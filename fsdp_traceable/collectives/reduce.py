@@ -19,6 +19,7 @@ try:  # FSDP2's DTensor construction without from_local's autograd and argument 
 except ImportError:
     _from_local_no_grad = None
 
+from ..profiler_labels import phase
 from ..sizes import flatten_sizes
 from . import comm, copy_backends, ops
 from .divide_factors import ReduceSchedule, gradient_divide_schedule
@@ -188,7 +189,8 @@ def finish_foreach_reduce(pending: PendingReduce) -> ReduceResult:
     Returns:
         The :class:`ReduceResult`.
     """
-    reduce_output = comm.wait(pending.reduce_output)
+    with phase("reduce_scatter_wait"):
+        reduce_output = comm.wait(pending.reduce_output)
     infos, schedule = pending.infos, pending.schedule
     all_reduce_group, partial_reduce_output = pending.all_reduce_group, pending.partial_reduce_output
     if all_reduce_group is not None:
@@ -196,11 +198,12 @@ def finish_foreach_reduce(pending: PendingReduce) -> ReduceResult:
             if partial_reduce_output is not None:
                 reduce_output = partial_reduce_output + reduce_output
             return ReduceResult(None, reduce_output)
-        if partial_reduce_output is not None:
-            reduce_output = reduce_output + partial_reduce_output
-        if all_reduce_group.size() > 1:
-            reduce_output = comm.all_reduce(reduce_output, schedule.all_reduce_op,
-                                            all_reduce_group)
+        with phase("all_reduce"):
+            if partial_reduce_output is not None:
+                reduce_output = reduce_output + partial_reduce_output
+            if all_reduce_group.size() > 1:
+                reduce_output = comm.all_reduce(reduce_output, schedule.all_reduce_op,
+                                                all_reduce_group)
     if pending.all_reduce_hook is not None:
         pending.all_reduce_hook(reduce_output)
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
-import torch._dynamo.eval_frame
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils.checkpoint import (
@@ -14,18 +11,16 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from .. import _torch_patches
 from ..collectives import comm
 from .gradient_reduction import reduce_grads
 from .param_group import ParamGroup
 
-# A compiled backward returns the sharded gradients as plain tensors, and AOTAutograd's
-# runtime wraps them back into DTensors with ``DTensor.__tensor_unflatten__``. When that
-# backward runs inside a compiled function (``loss.backward()`` in a compiled train step,
-# or compiled autograd's capture), Dynamo's frame callback is still active and compiles
-# that frame on its own, which graph-breaks on the raw DTensor constructor. Running the
-# frame eagerly is all the break falls back to; skipping it as a top-level frame removes
-# the spurious breaks and leaves inlining it into a traced function as it was.
-torch._dynamo.eval_frame.skip_code(DTensor.__tensor_unflatten__.__code__)
+# See [Note: torch patches]: the sharded gradients a compiled backward returns are
+# wrapped back into DTensors in a frame Dynamo must not compile on its own, and the
+# recompute region below makes torch log a warning that does not apply to it.
+_torch_patches.skip_dtensor_unflatten_frames()
+_torch_patches.drop_context_fn_warning()
 
 
 class LocalShards(torch.autograd.Function):
@@ -116,20 +111,6 @@ def _recompute_all_gather_context():
 # holding a recomputed all-gather bypasses that cache, and a restarted process compiles
 # its graphs again.
 _recompute_all_gather_context.cache_hash = "fsdp_traceable.recompute_all_gather.v1"
-
-_CONTEXT_FN_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile"
-
-
-def _drop_context_fn_warning(record: logging.LogRecord) -> bool:
-    return _CONTEXT_FN_WARNING not in record.getMessage()
-
-
-# Passing ``context_fn`` makes torch log a warning (once, when AOTAutograd traces the
-# region, so no context manager around the call below can hold it) asking that the region
-# contain no in-place ops; safe to drop: ours is the functional copy-in, all-gather and
-# copy-out only. The filter matches that one message on the one logger that emits it.
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_drop_context_fn_warning)
-
 
 def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
                    *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

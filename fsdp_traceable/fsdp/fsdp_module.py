@@ -1,23 +1,47 @@
-"""``FSDPModule``: the methods every ``fully_shard``-ed module gains, and the class
-swap that lets a module read its unsharded parameters during forward."""
+"""``FSDPModule``: every method a ``fully_shard``-ed module gains, and the class swap
+that lets a module read its unsharded parameters during forward.
+
+The setters change plain attributes of the parameter groups, which the forward and
+backward read (so a compiled graph guards on them and recompiles once when one
+changes). The forward itself is :mod:`.forward_pass`; the setters' argument checks
+are :mod:`.setting_checks`.
+"""
 
 from __future__ import annotations
 
-import weakref
+import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
-from torch.utils._pytree import tree_map
+from typing_extensions import deprecated
 
 from ..collectives import comm
-from . import module_settings
 from .autograd_bridge import unshard_params
-from .module_settings import check_bool, groups_of
+from .forward_pass import (
+    ForwardHooks,
+    abort_forward,
+    post_forward,
+    pre_forward,
+    release_shared,
+)
 from .param_group import ParamGroup
+from .setting_checks import (
+    check_bool,
+    check_comm,
+    check_no_custom_comm,
+    fsdp2_comms,
+    prefetch_all,
+)
+from .unsharded_binding import bind_unsharded, is_bound, param_property, unbind_unsharded
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+log = logging.getLogger(__name__)
 
 # The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
 # per-class cache. They hold no model state (the unsharded parameters live in each
@@ -25,7 +49,6 @@ from .param_group import ParamGroup
 # models of one architecture must get the same classes: Dynamo guards on a module's
 # type, so a class per model would recompile every block of every new model.
 _fsdp_classes: dict[tuple[type, tuple[str, ...]], type] = {}
-_owner_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 class FSDPModule(TorchFSDPModule):
@@ -42,6 +65,8 @@ class FSDPModule(TorchFSDPModule):
 
     _fsdp_group: ParamGroup
     _fsdp_next_groups: list[ParamGroup]
+
+    # -- unsharding ------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this module's parameters now (not recursive), as FSDP2's ``unshard``.
@@ -85,6 +110,8 @@ class FSDPModule(TorchFSDPModule):
                     release_shared(group)
                 group.eager.accumulated_unsharded_grads = None
 
+    # -- per-group flags ----------------------------------------------------------------
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether backward reduce-scatters gradients (``False`` accumulates them unsharded).
 
@@ -92,10 +119,8 @@ class FSDPModule(TorchFSDPModule):
             requires_gradient_sync: ``False`` for all but the last microbatch.
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
-        check_bool("requires_gradient_sync", requires_gradient_sync)
-        for group in groups_of(self, recurse):
-            group.requires_gradient_sync = requires_gradient_sync
-            group.requires_all_reduce = requires_gradient_sync
+        self._set_group_flag("requires_gradient_sync", requires_gradient_sync, recurse,
+                             also=("requires_all_reduce",))
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free the parameters re-gathered for backward once it finishes.
@@ -105,9 +130,7 @@ class FSDPModule(TorchFSDPModule):
                 skips its all-gather (use only while the parameters do not change).
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
-        check_bool("reshard_after_backward", reshard_after_backward)
-        for group in groups_of(self, recurse):
-            group.reshard_after_backward = reshard_after_backward
+        self._set_group_flag("reshard_after_backward", reshard_after_backward, recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether backward re-gathers the parameters instead of keeping them from forward.
@@ -119,29 +142,216 @@ class FSDPModule(TorchFSDPModule):
             reshard_after_forward: free the unsharded parameters after forward.
             recurse: apply to every ``fully_shard``-ed submodule too.
         """
-        check_bool("reshard_after_forward", reshard_after_forward)
-        for group in groups_of(self, recurse):
-            group.reshard_after_forward = reshard_after_forward
+        self._set_group_flag("reshard_after_forward", reshard_after_forward, recurse)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces the reduce-scattered gradients.
+
+        ``False`` keeps the reduce-scatter output and adds the next backward's to it (no
+        gradient is written until a backward all-reduces): accumulation with only
+        intra-replica communication. Without HSDP it changes nothing, as in FSDP2.
+
+        Args:
+            requires_all_reduce: ``False`` for all but the last microbatch.
+            recurse: apply to every ``fully_shard``-ed submodule too.
+        """
+        self._set_group_flag("requires_all_reduce", requires_all_reduce, recurse)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters that got no gradient join the reduce-scatter with zeros.
+
+        Needed when ranks use different parameters (conditional control flow), so every
+        rank issues the same reduce-scatter; those parameters then get a gradient.
+
+        Args:
+            reduce_scatter_unused_params: ``True`` to reduce zeros for unused parameters.
+            recurse: apply to every ``fully_shard``-ed submodule too.
+        """
+        self._set_group_flag("reduce_scatter_unused_params", reduce_scatter_unused_params,
+                             recurse)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: backward leaves no reduction pending to wait for."""
         check_bool("is_last_backward", is_last_backward)
 
-    set_requires_all_reduce = module_settings.set_requires_all_reduce
-    set_gradient_divide_factor = module_settings.set_gradient_divide_factor
-    set_reduce_scatter_divide_factor = module_settings.set_reduce_scatter_divide_factor
-    set_force_sum_reduction_for_comms = module_settings.set_force_sum_reduction_for_comms
-    set_reduce_scatter_unused_params = module_settings.set_reduce_scatter_unused_params
-    set_all_reduce_hook = module_settings.set_all_reduce_hook
-    set_modules_to_forward_prefetch = module_settings.set_modules_to_forward_prefetch
-    set_modules_to_backward_prefetch = module_settings.set_modules_to_backward_prefetch
-    set_unshard_in_backward = module_settings.set_unshard_in_backward
-    set_post_optim_event = module_settings.set_post_optim_event
-    set_custom_all_gather = module_settings.set_custom_all_gather
-    set_custom_reduce_scatter = module_settings.set_custom_reduce_scatter
-    set_symm_mem_for_comm = module_settings.set_symm_mem_for_comm
-    set_allocate_memory_from_process_group_for_comm = (
-        module_settings.set_allocate_memory_from_process_group_for_comm)
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether this module's backward may all-gather its parameters.
+
+        Our backward all-gathers a group only when its backward reads the parameters, so
+        ``False`` removes no all-gather FSDP2 would skip; it turns a backward that does
+        read them into a clear error (FSDP2 would compute with the sharded parameters).
+
+        Args:
+            unshard_in_backward: ``False`` for modules whose backward needs no parameters.
+        """
+        self._set_group_flag("unshard_in_backward", unshard_in_backward, recurse=False)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Whether this module's collectives reduce with ``sum`` only (divides done apart).
+
+        Args:
+            enable: ``True`` for sum-only collectives and explicit divides.
+        """
+        check_bool("enable", enable)
+        self._fsdp_group.force_sum_reduction = enable
+
+    # -- gradient reduction -------------------------------------------------------------
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divides this module's reduced gradients by ``factor`` instead of the data-parallel size.
+
+        FSDP2 multiplies by ``1/factor`` inside the reduce-scatter (NCCL's ``premul_sum``);
+        gloo and functional collectives lack that op, so ours sums and divides the
+        reduce-scatter output (FSDP2's own numerics under
+        ``set_force_sum_reduction_for_comms(True)``). A factor equal to the shard size
+        averages in the collective, as FSDP2 does.
+
+        Args:
+            factor: a positive number.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        self._fsdp_group.gradient_divide_factor = float(factor)
+
+    @deprecated("Use `set_gradient_divide_factor` instead")
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Use :meth:`set_gradient_divide_factor` instead."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Calls ``hook(reduce_output)`` on this module's reduced gradient bucket.
+
+        ``reduce_output`` is the flat reduce-scatter output (the HSDP all-reduce output
+        with HSDP), before it is split into the sharded gradients; the hook may change it
+        in place (e.g. a custom all-reduce across another mesh dimension).
+
+        Args:
+            hook: ``hook(reduce_output) -> None``.
+            stream: a stream to run the hook in (eager, non-HSDP only, as FSDP2).
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        group = self._fsdp_group
+        if stream is not None and group.is_hsdp:
+            raise ValueError("stream cannot be set when using native HSDP")
+        group.all_reduce_hook = hook
+        group.all_reduce_hook_stream = stream
+
+    # -- prefetching and streams ----------------------------------------------------------
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Eager: after this module's all-gather, issue the all-gathers of ``modules``.
+
+        Replaces the default (the next group in forward order). A compiled forward's
+        all-gathers are placed by Inductor, so a non-empty list raises there.
+
+        Args:
+            modules: ``fully_shard``-ed modules, typically the next one or two blocks.
+        """
+        self._fsdp_next_groups = [m._fsdp_group for m in _check_fsdp_modules(modules)]
+        self._fsdp_group.explicit_forward_prefetch = bool(modules)
+        _log_prefetch("forward", self._fsdp_group, self._fsdp_next_groups)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Eager: after this module's backward all-gather, issue the all-gathers of ``modules``.
+
+        Replaces the default (the previous group in forward order). Raises under a
+        compiled backward when non-empty, as the forward setter does.
+
+        Args:
+            modules: ``fully_shard``-ed modules, typically the previous one or two blocks.
+        """
+        groups = [m._fsdp_group for m in _check_fsdp_modules(modules)]
+        group = self._fsdp_group
+        group.prefetch_backward = prefetch_all(groups) if groups else None
+        group.explicit_backward_prefetch = bool(modules)
+        _log_prefetch("backward", group, groups)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Eager: the next all-gather copy-in of every group under this module waits on
+        ``event`` (recorded after the optimizer step) instead of on the whole current
+        stream; the event is used once, so set a new one each iteration.
+
+        A compiled graph runs its all-gathers on the current stream, after the optimizer
+        step that stream already ordered, so there the event has nothing to add.
+
+        Args:
+            event: an event recorded after ``optimizer.step()``.
+        """
+        for group in self._groups(recurse=True):
+            group.streams.post_optim_event = event
+
+    # -- custom comms -----------------------------------------------------------------
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Eager: this module's all-gathers allocate their output with ``comm.allocate``
+        and run ``comm(output, input, group, async_op=True)`` (FSDP2's ``AllGather``).
+
+        A compiled graph all-gathers with functional collectives: it raises while set.
+
+        Args:
+            comm: an FSDP2 ``AllGather`` (``allocate`` and ``__call__``).
+        """
+        self._fsdp_group.all_gather_comm = check_comm(comm, "comm")
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Eager: this module's reduce-scatters allocate their input and output with
+        ``comm.allocate`` and run ``comm(output, input, group, op, async_op=True)``
+        (FSDP2's ``ReduceScatter``); the copy-in's result is copied into the input.
+
+        A compiled backward reduces with functional collectives: it raises while set.
+
+        Args:
+            comm: an FSDP2 ``ReduceScatter`` (``allocate`` and ``__call__``).
+        """
+        self._fsdp_group.reduce_scatter_comm = check_comm(comm, "comm")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Eager, as FSDP2: this module's all-gather and reduce-scatter buffers come from the
+        process group's allocator where its backend has one (NCCL's memory pool), else from
+        ``torch.empty``; through FSDP2's own ``ProcessGroupAlloc*`` comms, so the collectives
+        and numbers are FSDP2's. A compiled graph allocates its own buffers: it raises while
+        on.
+
+        Args:
+            enable: whether to allocate from the process group.
+        """
+        check_bool("enable", enable)
+        all_gather_comm, reduce_scatter_comm = fsdp2_comms(
+            "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter")
+        groups = self._groups(recurse=False)
+        check_no_custom_comm(groups, "set_allocate_memory_from_process_group_for_comm",
+                             (all_gather_comm, reduce_scatter_comm))
+        for group in groups:
+            group.all_gather_comm = all_gather_comm(group.shard_group) if enable else None
+            group.reduce_scatter_comm = reduce_scatter_comm(group.shard_group) if enable else None
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Eager, as FSDP2: this module's all-gather buffers (and, with sum-only comms, its
+        reduce-scatter buffers) come from symmetric memory, through FSDP2's own ``SymmMem*``
+        comms; where the backend is unavailable (no NCCL, e.g. on CPU) their constructor
+        raises, as under FSDP2. A compiled graph allocates its own buffers: it raises while
+        set.
+
+        Args:
+            backend: the symmetric-memory backend (FSDP2 supports ``"NCCL"``).
+        """
+        all_gather_comm, reduce_scatter_comm = fsdp2_comms("SymmMemAllGather", "SymmMemReduceScatter")
+        groups = self._groups(recurse=False)
+        check_no_custom_comm(groups, "set_symm_mem_for_comm", (all_gather_comm, reduce_scatter_comm))
+        for group in groups:
+            group.all_gather_comm = all_gather_comm(group.shard_group, backend)
+            if group.force_sum_reduction:  # NCCL's symmetric reduce-scatter only sums
+                group.reduce_scatter_comm = reduce_scatter_comm(group.shard_group, backend)
+
+    # -- torch's hooks into the module ----------------------------------------------------
 
     def _get_fsdp_state(self) -> ForwardHooks:
         """What torch's ``register_fsdp_forward_method`` wrapper calls around a method."""
@@ -163,6 +373,26 @@ class FSDPModule(TorchFSDPModule):
             raise
         return post_forward(self, scope, output)
 
+    # -- helpers ------------------------------------------------------------------------
+
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        """This module's parameter group (and every FSDP submodule's if ``recurse``)."""
+        if not recurse:
+            return [self._fsdp_group]
+        return [m._fsdp_group for m in self.modules() if isinstance(m, FSDPModule)]
+
+    def _set_group_flag(self, name: str, value: bool, recurse: bool,
+                        also: tuple[str, ...] = ()) -> None:
+        """Checks the bool argument ``name`` and sets the group attribute of that name
+        (and those in ``also``) on this module's group, or on every group under it."""
+        check_bool(name, value)
+        groups = self._groups(recurse)
+        for group in groups:
+            for attr in (name, *also):
+                setattr(group, attr, value)
+        if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
+            log.debug("set %s=%s on groups %s", name, value, [g.name for g in groups])
+
 
 def _unsupported(name: str) -> Callable[..., Any]:
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +411,24 @@ for _name, _value in vars(TorchFSDPModule).items():
         setattr(FSDPModule, _name, _unsupported(_name))
 
 
+def _check_fsdp_modules(modules: Any) -> list[FSDPModule]:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"Expects FSDPModule but got {type(module).__name__}: pass modules "
+                "fsdp_traceable.fully_shard was applied to"
+            )
+    return list(modules)
+
+
+def _log_prefetch(direction: str, group: ParamGroup, targets: list[ParamGroup]) -> None:
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
+        log.debug("%s prefetch of group %r set explicitly: %s", direction, group.name,
+                  [t.name for t in targets])
+
+
 class _UnshardHandle(UnshardHandle):
     """``unshard(async_op=True)``'s handle: ``wait()`` finishes the all-gather."""
 
@@ -196,221 +444,19 @@ class _UnshardHandle(UnshardHandle):
         bind_unsharded(group, group.explicit_unsharded)
 
 
-class ForwardScope(NamedTuple):
-    """What one forward call took: the unsharded parameters it must release (``None``
-    if another call owns them) and the saved-tensor hooks it entered."""
-
-    unsharded: tuple[torch.Tensor, ...] | None
-    hooks: Any
-
-
-class ForwardHooks:
-    """FSDP2's ``_pre_forward``/``_post_forward`` pair, for torch's
-    ``register_fsdp_forward_method``; scopes nest as the methods do."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._scopes: list[ForwardScope] = []
-        self._module = weakref.ref(module)
-
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs, scope = pre_forward(module, args, kwargs)
-        self._scopes.append(scope)
-        return args, kwargs
-
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return post_forward(module, self._scopes.pop(), output)
-
-    # torch's share_comm_ctx reads one module's stream context and assigns it to the
-    # others through these.
-    @property
-    def _comm_ctx(self) -> comm.DeviceStreams:
-        return self._module()._fsdp_group.streams
-
-    @_comm_ctx.setter
-    def _comm_ctx(self, streams: comm.DeviceStreams) -> None:
-        self._module()._fsdp_group.streams = streams
-
-    @property
-    def _fsdp_param_groups(self) -> list:
-        return []  # share_comm_ctx's per-group assignment: done by the setter above
-
-
-def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict, ForwardScope]:
-    """Casts the inputs and binds the group's unsharded parameters to its modules.
-
-    The first forward of a pass gathers (or takes what ``unshard()`` gathered); a
-    forward that runs while the parameters are bound (a registered forward method
-    calling ``forward``, or the second module of a ``fully_shard([a, b])`` group)
-    reuses them.
-    """
-    group = module._fsdp_group
-    _check_input_device(module, group.device_type, args, kwargs)
-    policy = group.mp_policy
-    if policy.cast_forward_inputs and policy.param_dtype is not None:
-        args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
-    traced = comm.use_traced_path()
-    if traced and (group.explicit_forward_prefetch or group.explicit_backward_prefetch):
-        raise NotImplementedError(
-            "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch schedule "
-            "eager all-gathers; in a compiled graph Inductor places them "
-            "(torch.compile(options=fsdp_traceable.inductor_options(overlap=True))). "
-            "Pass [] to both setters before compiling"
-        )
-    shared = len(group.modules) > 1
-    if group.explicit_unsharded is not None:
-        unsharded = group.explicit_unsharded
-        group.explicit_unsharded = None
-    elif shared and group.shared_unsharded is not None:
-        return args, kwargs, ForwardScope(None, _enter_hooks(group, traced))
-    elif is_bound(group):
-        return args, kwargs, ForwardScope(None, None)
-    else:
-        reshard = group.reshard_after_forward and torch.is_grad_enabled()
-        unsharded = unshard_params(group, recompute_in_backward=reshard and traced)
-        bind_unsharded(group, unsharded)
-    if shared:
-        group.shared_unsharded = unsharded
-        group.modules_to_run = {id(m) for m in group.modules}
-    if not traced:
-        for child in module._fsdp_next_groups:
-            if child.explicit_unsharded is None:  # unshard() already gathered it
-                child.prefetch()
-        if group.reshard_after_forward:
-            group.root_state.saved_unsharded.register(group, list(unsharded))
-        elif not group.reshard_after_backward and torch.is_grad_enabled():
-            group.eager.forward_unsharded = tuple(unsharded)
-    return args, kwargs, ForwardScope(unsharded, _enter_hooks(group, traced))
-
-
-def post_forward(module: FSDPModule, scope: ForwardScope, output: Any) -> Any:
-    """Releases what :func:`pre_forward` bound (per the group's pass) and casts the output."""
-    group = module._fsdp_group
-    if scope.hooks is not None:
-        scope.hooks.__exit__(None, None, None)
-    if len(group.modules) > 1:
-        group.modules_to_run.discard(id(module))
-        if not group.modules_to_run:
-            release_shared(group)
-    elif scope.unsharded is not None:
-        _release(group, scope.unsharded)
-    if group.is_root and scope.unsharded is not None:
-        # FSDP2 ends the pass of groups whose modules did not all run at the root's end.
-        for other in group.list_groups:
-            if other.shared_unsharded is not None:
-                release_shared(other)
-    if group.mp_policy.output_dtype is not None:
-        output = _cast_floats(output, group.mp_policy.output_dtype)
-    return output
-
-
-def abort_forward(module: FSDPModule, scope: ForwardScope) -> None:
-    """Unbinds after a forward that raised, so the next call starts clean."""
-    group = module._fsdp_group
-    if scope.hooks is not None:
-        scope.hooks.__exit__(None, None, None)
-    if len(group.modules) > 1:
-        release_shared(group)
-    elif scope.unsharded is not None:
-        _release(group, scope.unsharded)
-
-
-def release_shared(group: ParamGroup) -> None:
-    """Ends a ``fully_shard([a, b])`` group's forward pass."""
-    unsharded, group.shared_unsharded = group.shared_unsharded, None
-    group.modules_to_run = set()
-    if unsharded is not None:
-        _release(group, unsharded)
-
-
-def _release(group: ParamGroup, unsharded: tuple[torch.Tensor, ...]) -> None:
-    if not comm.use_traced_path() and group.reshard_after_forward:
-        group.root_state.saved_unsharded.unregister(list(unsharded))
-        # Parameters kept after a backward served this forward; like FSDP2, it
-        # reshards them now and backward gathers again.
-        group.eager.unsharded_for_backward = None
-    unbind_unsharded(group)
-
-
-def _enter_hooks(group: ParamGroup, traced: bool) -> Any:
-    """Eager reshard-after-forward: autograd saves tokens for the unsharded parameters."""
-    if traced or not group.reshard_after_forward:
-        return None
-    hooks = group.root_state.saved_unsharded.hooks()
-    hooks.__enter__()
-    return hooks
-
-
-def is_bound(group: ParamGroup) -> bool:
-    """Whether the group's unsharded parameters are bound to its modules right now."""
-    if not group.bindings:
-        return False
-    owner, name, _ = group.bindings[0]
-    return name in owner.__dict__["_fsdp_unsharded"]
-
-
-def bind_unsharded(group: ParamGroup, unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-    for owner, name, i in group.bindings:
-        owner.__dict__["_fsdp_unsharded"][name] = unsharded[i]
-
-
-def unbind_unsharded(group: ParamGroup) -> None:
-    for owner, name, _ in group.bindings:
-        owner.__dict__["_fsdp_unsharded"].pop(name, None)
-
-
-def _param_property(name: str) -> property:
-    def get(self: nn.Module) -> torch.Tensor:
-        unsharded = self.__dict__["_fsdp_unsharded"].get(name)
-        return unsharded if unsharded is not None else self._parameters[name]
-
-    return property(get)
-
-
-def owner_class(cls: type, names: tuple[str, ...]) -> type:
-    key = (cls, names)
-    if key not in _owner_classes:
-        attrs = {name: _param_property(name) for name in names}
-        _owner_classes[key] = type(cls.__name__, (cls,), attrs)
-    return _owner_classes[key]
-
-
 def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
+    """``FSDP<cls>``: :class:`FSDPModule` and ``cls``, with a property per parameter
+    name in ``names`` (cached per pair)."""
     key = (cls, names)
     if key not in _fsdp_classes:
-        attrs = {name: _param_property(name) for name in names}
+        attrs = {name: param_property(name) for name in names}
         _fsdp_classes[key] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
     return _fsdp_classes[key]
 
 
 def swap_class(module: nn.Module, cls: type) -> None:
+    """Makes ``module`` an instance of ``cls`` (from :func:`fsdp_class` or ``owner_class``)."""
     module.__dict__.setdefault("_fsdp_unsharded", {})
     if issubclass(cls, FSDPModule):
         module.__dict__["_fsdp_forward_hooks"] = ForwardHooks(module)
     module.__class__ = cls
-
-
-def _check_input_device(module: nn.Module, device_type: str, args: tuple, kwargs: dict) -> None:
-    """Raises if the first tensor argument is not on the mesh's device type.
-
-    Runs before the all-gather, so a misplaced input fails on every rank without a
-    collective. Under compile the device is static, so this adds no graph break.
-    """
-    for key, value in (*enumerate(args), *kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            if value.device.type != device_type:
-                where = f"argument {key}" if isinstance(key, int) else f"argument {key!r}"
-                raise ValueError(
-                    f"{type(module).__name__}.forward got {where} on {value.device.type}, but "
-                    f"its parameters are sharded on {device_type}: move the inputs to "
-                    f"{device_type} before calling the model"
-                )
-            return
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -11,8 +12,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import _torch_patches
 from ..collectives.shard_info import SUPPORTED_DTYPES
-from . import mesh_pickling
 from .arguments import (
     ShardPlacementResult,
     check_offload_policy,
@@ -20,9 +21,12 @@ from .arguments import (
     module_list,
     reshard_after_forward_flag,
 )
-from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
+from .fsdp_module import FSDPModule, fsdp_class, swap_class
 from .param_group import ParamGroup
 from .root_state import RootState
+from .unsharded_binding import owner_class
+
+log = logging.getLogger(__name__)
 
 # The original (unsharded) parameters every fully_shard call replaced: a weight tied
 # across two calls is still the original object in the module sharded second.
@@ -96,13 +100,15 @@ def fully_shard(
     offload_to_cpu = check_offload_policy(offload_policy)
     ignored = ignored_param_ids(ignored_params)
     owned = _managed_params(modules, ignored)
-    mesh_pickling.install()
+    _torch_patches.drop_mesh_hash_from_pickles()  # See [Note: torch patches]
     group = ParamGroup(
         [(fqn, param) for fqn, param, _ in owned], mesh,
         reshard_after_forward=reshard, mp_policy=mp_policy,
         shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
         pin_memory=offload_to_cpu and offload_policy.pin_memory,
     )
+    if log.isEnabledFor(logging.DEBUG):
+        _log_group(group, modules, reshard)
     for _, param, _ in owned:
         _replaced_params[param] = True
     for sharded in group.sharded_params:
@@ -126,6 +132,24 @@ def fully_shard(
     if len(modules) == 1:
         _link_groups(modules[0])
     return module
+
+
+def _log_group(group: ParamGroup, modules: list[nn.Module], reshard: bool | int | None) -> None:
+    """Debug log: one ``fully_shard`` call's group (``TORCH_LOGS="+fsdp_traceable"``)."""
+    params = ", ".join(f"{fqn} {tuple(info.global_size)}->{tuple(info.sharded_size)}"
+                       for fqn, info in zip(group.fqns, group.infos))
+    log.debug(
+        "fully_shard(%s): group of %d parameters (%d elements, %s): %s; mesh %s "
+        "(%s); reshard_after_forward=%s; mp_policy param_dtype=%s reduce_dtype=%s; "
+        "offload_to_cpu=%s",
+        ", ".join(type(m).__name__ for m in modules), len(group.infos),
+        sum(info.global_numel for info in group.infos),
+        ", ".join(sorted({str(p.dtype) for p in group.sharded_params})) or "no dtype",
+        params or "none", tuple(group.mesh.shape),
+        "HSDP (replicate, shard)" if group.is_hsdp else "FSDP",
+        "default (True except the root)" if reshard is None else reshard,
+        group.mp_policy.param_dtype, group.mp_policy.reduce_dtype, group.offload_to_cpu,
+    )
 
 
 def _managed_params(
@@ -218,8 +242,11 @@ def _link_groups(root: FSDPModule) -> None:
     forward free of first-call branches (and their recompile). The groups share one
     :class:`RootState` (see [Note: per-model state]).
     """
-    fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    named = [(path, m) for path, m in root.named_modules() if isinstance(m, FSDPModule)]
+    fsdp_modules = [m for _, m in named]
     groups = list({id(m._fsdp_group): m._fsdp_group for m in fsdp_modules}.values())
+    for path, m in reversed(named):  # a group of several modules: named for its first
+        m._fsdp_group.name = path
     position = {id(g): i for i, g in enumerate(groups)}
     for m in fsdp_modules:
         i = position[id(m._fsdp_group)]
@@ -232,6 +259,22 @@ def _link_groups(root: FSDPModule) -> None:
         previous = groups[i - 1] if i > 1 else None
         group.set_root(i == 0, previous.prefetch if previous is not None else None, root_state)
     groups[0].list_groups = [g for g in groups[1:] if len(g.modules) > 1]
+    if log.isEnabledFor(logging.DEBUG):
+        _log_order(groups, fsdp_modules)
+
+
+def _log_order(groups: list[ParamGroup], fsdp_modules: list[FSDPModule]) -> None:
+    """Debug log: the root, each group's reshard-after-forward and its prefetches."""
+    next_groups = {id(m._fsdp_group): m._fsdp_next_groups for m in fsdp_modules}
+    for i, group in enumerate(groups):
+        previous = groups[i - 1] if i > 1 else None
+        log.debug(
+            "group %r%s: reshard_after_forward=%s; forward prefetches %s; backward "
+            "prefetches %s", group.name, " (root)" if group.is_root else "",
+            group.reshard_after_forward, [g.name for g in next_groups[id(group)]],
+            "as set explicitly" if group.explicit_backward_prefetch
+            else [previous.name] if previous is not None else [],
+        )
 
 
 def _check_mp_dtypes(mp_policy: MixedPrecisionPolicy) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from ..collectives import ReduceResult, accumulate_sharded_grad, comm
 from ..collectives.reduce import finish_foreach_reduce, start_foreach_reduce
+from ..profiler_labels import phase
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -30,6 +31,15 @@ def reduce_grads(
     ``accumulated``: earlier no-sync microbatches' unsharded gradients, by parameter
     index, passed in by a compiled backward; eager takes them from the group's state.
     """
+    with phase("post_backward", group.name):
+        return _reduce_grads(group, unsharded_grads, accumulated)
+
+
+def _reduce_grads(
+    group: ParamGroup,
+    unsharded_grads: tuple[torch.Tensor | None, ...],
+    accumulated: dict[int, torch.Tensor] | None,
+) -> list[torch.Tensor | None]:
     # Guarded: a traced backward must not mutate Python state (Dynamo refuses such
     # side effects inside an autograd.Function), and there it is always None.
     if group.reshard_after_backward and group.eager.unsharded_for_backward is not None:
@@ -79,17 +89,18 @@ def reduce_grads(
             "backward calls, which a compiled backward cannot hold; run those "
             "microbatches' backward eagerly and only the last one compiled"
         )
-    pending = start_foreach_reduce(
-        [grads[i] for i in indices], [group.infos[i] for i in indices], group.shard_group,
-        all_reduce_group=group.replicate_group,
-        gradient_divide_factor=group.gradient_divide_factor,
-        force_sum_reduction=group.force_sum_reduction,
-        all_reduce_grads=not skip_all_reduce,
-        partial_reduce_output=group.eager.take_partial_reduce_output(),
-        all_reduce_hook=_all_reduce_hook(group),
-        reduce_scatter_comm=group.reduce_scatter_comm,
-        check=False,
-    )
+    with phase("reduce_scatter", group.name):
+        pending = start_foreach_reduce(
+            [grads[i] for i in indices], [group.infos[i] for i in indices], group.shard_group,
+            all_reduce_group=group.replicate_group,
+            gradient_divide_factor=group.gradient_divide_factor,
+            force_sum_reduction=group.force_sum_reduction,
+            all_reduce_grads=not skip_all_reduce,
+            partial_reduce_output=group.eager.take_partial_reduce_output(),
+            all_reduce_hook=_all_reduce_hook(group),
+            reduce_scatter_comm=group.reduce_scatter_comm,
+            check=False,
+        )
     if not comm.use_traced_path():
         # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
         # groups' gradients; the gradients reach .grad when it is finished (by the

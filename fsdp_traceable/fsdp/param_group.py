@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ from ..collectives import (
     shard_tensor,
 )
 from ..collectives.validation import check_bucket_bytes
+from ..profiler_labels import phase
 from . import block_backward
 from .all_gather_extensions import (
     AllGatherExtension,
@@ -37,6 +39,8 @@ from .root_state import RootState
 
 if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+log = logging.getLogger(__name__)
 
 
 class ParamGroup:
@@ -58,6 +62,9 @@ class ParamGroup:
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
     ) -> None:
+        # What profiler labels and debug logs call the group: its module's path under
+        # the root (set when the root links the groups; "" for the root).
+        self.name = ""
         # Where the group communicates.
         self.mesh = mesh
         self.device_type = mesh.device_type
@@ -81,7 +88,7 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        # Gradient reduction and prefetch settings (see module_settings).
+        # Gradient reduction and prefetch settings (see FSDPModule's setters).
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
@@ -199,12 +206,14 @@ class ParamGroup:
     def start_all_gather(self) -> PendingUnshard:
         """Starts the group's all-gather (eager), from the post-forward piece when one is
         kept; finish it with :meth:`finish_all_gather`."""
-        kept, versions = self.eager.take_post_forward()
-        if kept is not None and self.post_forward is not None and versions == self._local_versions():
-            return self.post_forward.regather(kept, self.all_gather_comm)
-        return self._start_all_gather(
-            [p._local_tensor for p in self.sharded_params], streams=self.streams
-        )
+        with phase("all_gather", self.name):
+            kept, versions = self.eager.take_post_forward()
+            if (kept is not None and self.post_forward is not None
+                    and versions == self._local_versions()):
+                return self.post_forward.regather(kept, self.all_gather_comm)
+            return self._start_all_gather(
+                [p._local_tensor for p in self.sharded_params], streams=self.streams
+            )
 
     def _start_all_gather(
         self, sharded_locals: list[torch.Tensor], streams: comm.DeviceStreams | None
@@ -224,10 +233,11 @@ class ParamGroup:
 
     def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
         """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""
-        outputs = foreach_all_gather_copy_out(pending.result)
-        if pending.hook_inputs is None:
-            return outputs
-        return unsharded_from_outputs(outputs, pending.hook_inputs)
+        with phase("all_gather_copy_out", self.name):
+            outputs = foreach_all_gather_copy_out(pending.result)
+            if pending.hook_inputs is None:
+                return outputs
+            return unsharded_from_outputs(outputs, pending.hook_inputs)
 
     def _on_device(self, sharded_locals: list[torch.Tensor]) -> list[torch.Tensor]:
         """CPU offload: the host-to-device copy of the shards before their all-gather."""
@@ -240,6 +250,8 @@ class ParamGroup:
         if not self.sharded_params or self.compiled_on_its_own():
             return
         if self.eager.prefetched is None and self.eager.unsharded_for_backward is None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("prefetch: all-gather of group %r issued early", self.name)
             self.eager.prefetch(self.start_all_gather(), self._local_versions())
 
     def compiled_on_its_own(self) -> bool:
@@ -284,38 +296,50 @@ class ParamGroup:
     def unsharded_for_backward(self) -> list[torch.Tensor]:
         """Eager: the parameters re-gathered once for this group's backward."""
         if self.eager.unsharded_for_backward is None:
-            if not self.unshard_in_backward:
-                raise RuntimeError(
-                    f"the backward of the group of {self.fqns[:3]} reads its parameters, but "
-                    "set_unshard_in_backward(False) was called on its module: set it back "
-                    "to True (False is only for modules whose backward needs no parameters)"
-                )
-            pending = self._take_prefetched()
-            if pending is None:
-                pending = self.start_all_gather()
-            self.eager.unsharded_for_backward = self.finish_all_gather(pending)
-            if torch._C._current_graph_task_id() != -1:
-                # Also frees them for a group without trainable parameters, whose
-                # backward never reaches reduce_grads.
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            # Prefetch only once this group's all-gather buffer is freed: the peak then
-            # holds one in-flight buffer, not two.
-            if self.prefetch_backward is not None:
-                self.prefetch_backward()
+            with phase("pre_backward", self.name):
+                self._unshard_for_backward()
         return self.eager.unsharded_for_backward
+
+    def _unshard_for_backward(self) -> None:
+        """Eager: re-gathers the parameters for backward, then prefetches per the group's order."""
+        if not self.unshard_in_backward:
+            raise RuntimeError(
+                f"the backward of the group of {self.fqns[:3]} reads its parameters, but "
+                "set_unshard_in_backward(False) was called on its module: set it back "
+                "to True (False is only for modules whose backward needs no parameters)"
+            )
+        pending = self._take_prefetched()
+        if pending is None:
+            pending = self.start_all_gather()
+        self.eager.unsharded_for_backward = self.finish_all_gather(pending)
+        if torch._C._current_graph_task_id() != -1:
+            # Also frees them for a group without trainable parameters, whose
+            # backward never reaches reduce_grads.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        # Prefetch only once this group's all-gather buffer is freed: the peak then
+        # holds one in-flight buffer, not two.
+        if self.prefetch_backward is not None:
+            self.prefetch_backward()
 
     def drop_unsharded(self) -> None:
         """Eager: frees a prefetched all-gather and parameters kept after backward."""
-        pending, _ = self.eager.take_prefetched()
-        if pending is not None:
-            foreach_all_gather_copy_out(pending.result)  # complete the collective every rank joined
-        self.eager.unsharded_for_backward = None
-        self.eager.forward_unsharded = None
-        self.eager.take_post_forward()
+        with phase("reshard", self.name):
+            pending, _ = self.eager.take_prefetched()
+            if pending is not None:
+                # Complete the collective every rank joined.
+                foreach_all_gather_copy_out(pending.result)
+            self.eager.unsharded_for_backward = None
+            self.eager.forward_unsharded = None
+            self.eager.take_post_forward()
 
     def _end_backward(self) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("group %r after backward: %s", self.name,
+                      "reshard" if self.reshard_after_backward
+                      else "keep the unsharded parameters for the next forward")
         if self.reshard_after_backward:
-            self.eager.unsharded_for_backward = None
+            with phase("reshard", self.name):
+                self.eager.unsharded_for_backward = None
 
 
 def _shard_info(

@@ -17,6 +17,7 @@ import torch
 
 from ..collectives import ReduceResult
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
+from ..profiler_labels import phase
 
 
 class ReduceQueue:
@@ -51,8 +52,9 @@ class ReduceQueue:
 
     def finish_all(self) -> None:
         """Finishes every reduction in flight (the end-of-backward callback)."""
-        while self._in_flight:
-            self._finish_oldest()
+        with phase("root_post_backward"):
+            while self._in_flight:
+                self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         pending, on_finished = self._in_flight.pop(0)

@@ -24,9 +24,9 @@ import torch.nn as nn
 
 from ..fsdp import FSDPModule, fully_shard
 from ..models.transformer import Transformer, TransformerConfig, shard_transformer
-from ..testing.fake_world import fake_process_group
 from .capture import CapturedGraph, InductorCapture, OutputCode
 from .compiles import FrameCompile, GraphBreaks, track_compiles
+from .fake_world import fake_process_group
 from .inductor_code import CollectiveCopies, collective_copies
 
 __all__ = ["DEMO_CONFIG", "Report", "explain"]

@@ -1,0 +1,205 @@
+"""Every change this package makes to torch itself, in one place.
+
+[Note: torch patches]
+Each patch below works around one torch behaviour that has no public switch. Each
+has: a docstring saying why, which torch versions it applies to (feature-detected:
+where torch lacks what it patches, nothing is changed and the function returns
+``False``), and one function that applies it and is safe to call again. Each has a
+test in ``tests/test_torch_patches.py`` that checks the unpatched behaviour is still
+a problem, so that test fails, and says the patch can go, once torch fixes it.
+
+Where they are applied (unchanged from before they moved here):
+
+* :func:`skip_dtensor_unflatten_frames`, :func:`drop_context_fn_warning`: on import
+  of ``fsdp_traceable`` (``fsdp/autograd_bridge.py``, whose autograd boundary and
+  recompute region meet them).
+* :func:`drop_mesh_hash_from_pickles`: on every ``fully_shard`` call.
+* :func:`rewrite_aot_backwards`: on the first parameter group built
+  (``backward_regions.install``, through ``fsdp/block_backward.py``).
+
+No other module of the package may assign to, wrap or filter anything of torch's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo.eval_frame
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "CONTEXT_FN_WARNING",
+    "CONTEXT_FN_WARNING_LOGGER",
+    "drop_context_fn_warning",
+    "drop_mesh_hash_from_pickles",
+    "extract_bw_module_exists",
+    "rewrite_aot_backwards",
+    "skip_dtensor_unflatten_frames",
+]
+
+# The patches applied so far in this process (torch's state is process-wide).
+_applied: set[str] = set()
+
+
+def skip_dtensor_unflatten_frames() -> bool:
+    """Dynamo runs ``DTensor.__tensor_unflatten__`` eagerly when it is a frame of its own.
+
+    A compiled backward returns the sharded gradients as plain tensors, and
+    AOTAutograd's runtime wraps them back into DTensors with
+    ``DTensor.__tensor_unflatten__``. When that backward runs inside a compiled
+    function (``loss.backward()`` in a compiled train step, or compiled autograd's
+    capture), Dynamo's frame callback is still active and compiles that frame on its
+    own, which graph-breaks on the raw DTensor constructor. Running the frame eagerly
+    is all the break falls back to; skipping it as a top-level frame removes the
+    spurious breaks and leaves inlining it into a traced function as it was.
+
+    Applies to: every torch with ``torch._dynamo.eval_frame.skip_code``; the break
+    it avoids is present in 2.13 (the test checks the torch it runs on).
+
+    Returns:
+        Whether the frame is skipped (``False`` where torch has no ``skip_code``).
+    """
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip_code is None:
+        return False
+    if "skip_dtensor_unflatten_frames" not in _applied:
+        skip_code(DTensor.__tensor_unflatten__.__code__)
+        _applied.add("skip_dtensor_unflatten_frames")
+    return True
+
+
+def drop_mesh_hash_from_pickles() -> bool:
+    """``DeviceMesh`` pickles without its process-local hash, so compile caches hit
+    across restarts.
+
+    Where a graph's inputs hold a ``DeviceMesh`` (torch 2.13 passes every DTensor
+    parameter's mesh as an opaque input), Inductor's FX graph cache pickles the mesh
+    into the graph's cache key. ``DeviceMesh.__getstate__`` keeps ``_hash``, the
+    mesh's Python hash cached on first use: it differs in every process, so the key
+    did too and a new process never found the graphs the last one compiled. A hash is
+    only meaningful in the process that computed it (``DeviceMesh.__hash__``
+    recomputes a missing one), so every pickle of a mesh leaves it out.
+
+    Applies to: every torch whose ``DeviceMesh`` defines ``__getstate__`` (2.11 to
+    2.14); torch's own ``__getstate__`` stays reachable as ``__wrapped__``.
+
+    Returns:
+        Whether pickles leave the hash out (``False`` where ``DeviceMesh`` has no
+        ``__getstate__`` of its own).
+    """
+    original = DeviceMesh.__dict__.get("__getstate__")
+    if original is None:
+        return False
+    if getattr(original, "_fsdp_traceable_drops_hash", False):
+        return True
+
+    @functools.wraps(original)
+    def __getstate__(self: DeviceMesh) -> dict[str, Any]:
+        state = dict(original(self))
+        state.pop("_hash", None)
+        return state
+
+    __getstate__._fsdp_traceable_drops_hash = True
+    DeviceMesh.__getstate__ = __getstate__
+    return True
+
+
+CONTEXT_FN_WARNING_LOGGER = "torch._higher_order_ops.wrap"
+CONTEXT_FN_WARNING = (
+    "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile"
+)
+
+
+def _keep_unless_context_fn_warning(record: logging.LogRecord) -> bool:
+    return CONTEXT_FN_WARNING not in record.getMessage()
+
+
+def drop_context_fn_warning() -> bool:
+    """Torch's warning about ``checkpoint(..., context_fn=...)`` under compile is dropped.
+
+    Passing ``context_fn`` makes torch log a warning (once, when AOTAutograd traces the
+    region, so no context manager around the call can hold it) asking that the region
+    contain no in-place ops; safe to drop: the package's recompute-in-backward region
+    (``fsdp/autograd_bridge.py``) is the functional copy-in, all-gather and copy-out
+    only. The filter matches that one message on the one logger that emits it; every
+    other record of that logger gets through.
+
+    Applies to: every torch (a logging filter); torch 2.13's
+    ``torch._higher_order_ops.wrap`` emits the warning (the test checks the torch it
+    runs on).
+
+    Returns:
+        ``True``.
+    """
+    logger = logging.getLogger(CONTEXT_FN_WARNING_LOGGER)
+    if _keep_unless_context_fn_warning not in logger.filters:
+        logger.addFilter(_keep_unless_context_fn_warning)
+    return True
+
+
+def extract_bw_module_exists() -> bool:
+    """Whether compiled autograd reads AOT backwards through ``extract_bw_module``."""
+    module = getattr(torch._dynamo, "compiled_autograd", None)
+    return module is not None and hasattr(module, "extract_bw_module")
+
+
+def rewrite_aot_backwards(
+    rewrite: Callable[[Any, fx.GraphModule], fx.GraphModule],
+) -> bool:
+    """Compiled autograd reads every AOT backward graph through ``rewrite``.
+
+    Compiled autograd pastes every AOTAutograd backward it meets into its graph node
+    by node, so L identical per-block compiled blocks give L copies of the block
+    backward to trace and compile again. Torch cannot keep them as one: compiled
+    autograd cannot trace a ``nested_compile_region`` (Dynamo refuses the
+    ``invoke_subgraph`` it pastes), and it has no public hook. The one function it
+    reads every AOT backward through,
+    ``torch._dynamo.compiled_autograd.extract_bw_module(compiled_function)``, is
+    wrapped so ``rewrite(compiled_function, bw_module)`` can return another graph
+    (``backward_regions`` returns the block backward as one region call). The wrapper
+    runs with Dynamo disabled: compiled autograd can capture while Dynamo's frame hook
+    is set (torch 2.11 and 2.14 after a graph break at ``backward()``).
+
+    Applies to: every torch with ``compiled_autograd.extract_bw_module`` (2.11 to 2.14).
+
+    Args:
+        rewrite: called with the compiled function (a class) and its backward graph;
+            returns the graph compiled autograd pastes. Applying again with the same
+            ``rewrite`` changes nothing.
+
+    Returns:
+        Whether compiled autograd now reads backwards through ``rewrite`` (``False``
+        where torch has no ``extract_bw_module``).
+
+    Raises:
+        RuntimeError: if another ``rewrite`` is in place already.
+    """
+    if not extract_bw_module_exists():
+        return False
+    module = torch._dynamo.compiled_autograd
+    current = module.extract_bw_module
+    installed = getattr(current, "_fsdp_traceable_rewrite", None)
+    if installed is rewrite:
+        return True
+    if installed is not None:
+        raise RuntimeError(
+            f"compiled autograd's extract_bw_module already rewrites with {installed!r}; "
+            "one rewrite serves the whole process"
+        )
+
+    @torch.compiler.disable
+    def extract_bw_module(compiled_function: Any) -> Any:
+        bw_module = current(compiled_function)
+        if not isinstance(bw_module, fx.GraphModule):
+            return bw_module
+        return rewrite(compiled_function, bw_module)
+
+    extract_bw_module._fsdp_traceable_rewrite = rewrite
+    module.extract_bw_module = extract_bw_module
+    return True

@@ -1,0 +1,65 @@
+"""Which tensor a sharded module's parameter attribute reads: the sharded parameter,
+or, while its group's unsharded parameters are bound (during forward), the unsharded one.
+
+``fully_shard`` swaps each module holding parameters of a group for a subclass with
+one property per such parameter (:func:`owner_class`); the property reads the module's
+``_fsdp_unsharded`` dict first, which :func:`bind_unsharded` fills and
+:func:`unbind_unsharded` empties.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from .param_group import ParamGroup
+
+# The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
+# per-class cache. They hold no model state (the unsharded parameters live in each
+# module's __dict__), their number is bounded by the program's module classes, and two
+# models of one architecture must get the same classes: Dynamo guards on a module's
+# type, so a class per model would recompile every block of every new model.
+_owner_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def is_bound(group: ParamGroup) -> bool:
+    """Whether the group's unsharded parameters are bound to its modules right now."""
+    if not group.bindings:
+        return False
+    owner, name, _ = group.bindings[0]
+    return name in owner.__dict__["_fsdp_unsharded"]
+
+
+def bind_unsharded(group: ParamGroup, unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+    """Makes the group's modules read ``unsharded`` (by parameter index) for their parameters."""
+    for owner, name, i in group.bindings:
+        owner.__dict__["_fsdp_unsharded"][name] = unsharded[i]
+
+
+def unbind_unsharded(group: ParamGroup) -> None:
+    """Makes the group's modules read their sharded parameters again."""
+    for owner, name, _ in group.bindings:
+        owner.__dict__["_fsdp_unsharded"].pop(name, None)
+
+
+def param_property(name: str) -> property:
+    """The attribute ``name``: its bound unsharded parameter, else the sharded one."""
+    def get(self: nn.Module) -> torch.Tensor:
+        unsharded = self.__dict__["_fsdp_unsharded"].get(name)
+        return unsharded if unsharded is not None else self._parameters[name]
+
+    return property(get)
+
+
+def owner_class(cls: type, names: tuple[str, ...]) -> type:
+    """``cls`` with a property per parameter name in ``names`` (cached per pair)."""
+    key = (cls, names)
+    if key not in _owner_classes:
+        attrs = {name: param_property(name) for name in names}
+        _owner_classes[key] = type(cls.__name__, (cls,), attrs)
+    return _owner_classes[key]
+
+

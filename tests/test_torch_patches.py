@@ -1,0 +1,209 @@
+"""The patches of torch (``fsdp_traceable/_torch_patches.py``).
+
+Per patch: what it changes, and a check that torch without it still has the problem,
+named ``test_torch_still_...``. When one of those fails, torch fixed the problem on
+the version under test: the patch can go there (see [Note: torch patches]).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import pickle
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor.codecache import FxGraphCachePickler
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import fsdp_traceable  # noqa: F401  (applies the import-time patches)
+from fsdp_traceable import _torch_patches
+from fsdp_traceable.testing.fake_world import fake_process_group
+
+compiled_autograd = torch._dynamo.compiled_autograd
+
+
+# -- Dynamo skips DTensor.__tensor_unflatten__ as a frame of its own ----------------
+
+@pytest.fixture
+def dtensor_parts() -> Iterator[tuple[dict[str, torch.Tensor], object, torch.Size, tuple]]:
+    """The arguments AOTAutograd's runtime passes ``DTensor.__tensor_unflatten__``."""
+    with fake_process_group(1):
+        mesh = init_device_mesh("cpu", (1,))
+        dtensor = DTensor.from_local(torch.randn(4, 4), mesh, [Shard(0)], run_check=False)
+        names, spec = dtensor.__tensor_flatten__()
+        yield {name: getattr(dtensor, name) for name in names}, spec, dtensor.size(), dtensor.stride()
+
+
+def test_torch_still_cannot_trace_dtensor_unflatten(dtensor_parts) -> None:
+    inner, spec, size, stride = dtensor_parts
+
+    def unflatten(inner: dict[str, torch.Tensor]) -> DTensor:
+        return DTensor.__tensor_unflatten__(inner, spec, size, stride)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(unflatten, backend="eager", fullgraph=True)(inner)
+
+
+def test_dtensor_unflatten_frame_runs_eagerly_without_a_graph_break(dtensor_parts) -> None:
+    assert _torch_patches.skip_dtensor_unflatten_frames()
+    assert _torch_patches.skip_dtensor_unflatten_frames()  # again: no change
+    inner, spec, size, stride = dtensor_parts
+    counters.clear()
+    out = torch.compile(DTensor.__tensor_unflatten__, backend="eager")(inner, spec, size, stride)
+    assert isinstance(out, DTensor)
+    assert not counters["graph_break"]
+
+
+# -- DeviceMesh pickles without its process-local hash --------------------------------
+
+needs_mesh_getstate = pytest.mark.skipif(
+    "__getstate__" not in DeviceMesh.__dict__,
+    reason="this torch's DeviceMesh has no __getstate__")
+
+
+def _fx_cache_key_bytes(obj: object) -> bytes:
+    """What Inductor's FX graph cache hashes into a key for ``obj``."""
+    return FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).dumps(obj)
+
+
+@needs_mesh_getstate
+def test_torch_still_pickles_the_mesh_hash() -> None:
+    assert _torch_patches.drop_mesh_hash_from_pickles()
+    with fake_process_group(2, reset_dynamo=False):
+        mesh = init_device_mesh("cpu", (2,))
+        hash(mesh)
+        # torch's own state keeps the hash, so its pickles differ between processes.
+        assert "_hash" in DeviceMesh.__getstate__.__wrapped__(mesh)
+
+
+@needs_mesh_getstate
+def test_pickled_mesh_has_no_hash_and_unpickles_equal() -> None:
+    assert _torch_patches.drop_mesh_hash_from_pickles()
+    patched = DeviceMesh.__getstate__
+    assert _torch_patches.drop_mesh_hash_from_pickles()  # again: not wrapped twice
+    assert DeviceMesh.__getstate__ is patched
+    with fake_process_group(2, reset_dynamo=False):
+        mesh = init_device_mesh("cpu", (2,))
+        mesh_hash = hash(mesh)
+        assert "_hash" not in mesh.__getstate__()
+        restored = pickle.loads(pickle.dumps(mesh))
+        assert restored == mesh
+        assert hash(restored) == mesh_hash
+
+
+@needs_mesh_getstate
+def test_fx_graph_cache_key_does_not_depend_on_the_hash_a_process_drew() -> None:
+    with fake_process_group(2, reset_dynamo=False):
+        mesh = init_device_mesh("cpu", (2,))
+        hash(mesh)
+        _torch_patches.drop_mesh_hash_from_pickles()
+        keys = set()
+        for drawn_hash in (12345, -67890):
+            mesh._hash = drawn_hash  # what hash(mesh) cached in two different processes
+            keys.add(_fx_cache_key_bytes([mesh]))
+        assert len(keys) == 1
+
+
+# -- torch's context_fn warning is dropped ---------------------------------------------
+
+class _Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_torch_still_logs_the_context_fn_warning() -> None:
+    # Logged once per process through warning_once, so read from the source: the
+    # message and the logger it goes to.
+    module = torch._higher_order_ops.wrap
+    assert module.__name__ == _torch_patches.CONTEXT_FN_WARNING_LOGGER
+    assert module.log.name == _torch_patches.CONTEXT_FN_WARNING_LOGGER
+    assert _torch_patches.CONTEXT_FN_WARNING in inspect.getsource(module)
+
+
+def test_only_the_context_fn_warning_is_dropped() -> None:
+    assert _torch_patches.drop_context_fn_warning()
+    log = logging.getLogger(_torch_patches.CONTEXT_FN_WARNING_LOGGER)
+    filters = list(log.filters)
+    assert _torch_patches.drop_context_fn_warning()  # again: one filter
+    assert log.filters == filters
+    handler = _Keep()
+    log.addHandler(handler)
+    try:
+        log.warning("\nDetected that context_fn is passed to torch.utils.checkpoint under "
+                    "torch.compile.\nPlease make sure the checkpointed region does not "
+                    "contain in-place ops (e.g. torch.relu_).\n")
+        log.warning("another warning")
+    finally:
+        log.removeHandler(handler)
+    assert handler.messages == ["another warning"]
+
+
+# -- compiled autograd reads AOT backwards through a rewrite ---------------------------
+
+needs_extract_bw_module = pytest.mark.skipif(
+    not _torch_patches.extract_bw_module_exists(),
+    reason="this torch's compiled autograd has no extract_bw_module")
+
+
+@needs_extract_bw_module
+@pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
+                    reason="this torch has no nested_compile_region")
+def test_torch_still_cannot_compile_a_region_backward_under_compiled_autograd() -> None:
+    """A region called twice: compiled autograd pastes its backward as
+    ``invoke_subgraph`` calls, which Dynamo refuses to trace."""
+
+    @torch.compiler.nested_compile_region
+    def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x @ w)
+
+    def twice(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return region(region(x, w), w).sum()
+
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(4, 4, requires_grad=True)
+        w = torch.randn(4, 4, requires_grad=True)
+        loss = torch.compile(twice, backend="aot_eager", fullgraph=True)(x, w)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="invoke_subgraph"):
+            with compiled_autograd._enable(torch.compile(backend="eager", fullgraph=True)):
+                loss.backward()
+    finally:
+        torch._dynamo.reset()
+
+
+def _graph() -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output((graph.placeholder("x"),))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@needs_extract_bw_module
+def test_backwards_read_through_the_rewrite_wrapped_once(monkeypatch) -> None:
+    original, rewritten = _graph(), _graph()
+    monkeypatch.setattr(compiled_autograd, "extract_bw_module",
+                        lambda compiled_function: compiled_function)
+    seen = []
+
+    def rewrite(compiled_function: object, bw_module: fx.GraphModule) -> fx.GraphModule:
+        seen.append((compiled_function, bw_module))
+        return rewritten
+
+    assert _torch_patches.rewrite_aot_backwards(rewrite)
+    wrapper = compiled_autograd.extract_bw_module
+    assert _torch_patches.rewrite_aot_backwards(rewrite)  # again: not wrapped twice
+    assert compiled_autograd.extract_bw_module is wrapper
+    assert wrapper(original) is rewritten
+    assert seen == [(original, original)]
+    not_a_graph = object()
+    assert wrapper(not_a_graph) is not_a_graph  # only graphs reach the rewrite
+    with pytest.raises(RuntimeError, match="already rewrites"):
+        _torch_patches.rewrite_aot_backwards(lambda cls, gm: gm)
