@@ -344,6 +344,7 @@ def is_bound(group: ParamGroup) -> bool:
 
 
 def bind_unsharded(group: ParamGroup, unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+    unsharded = group.compute_params(unsharded)
     for owner, name, i in group.bindings:
         owner.__dict__["_fsdp_unsharded"][name] = unsharded[i]
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..collectives.shard_info import SUPPORTED_DTYPES
@@ -22,6 +23,9 @@ from .arguments import (
 )
 from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
 from .param_group import ParamGroup
+
+if TYPE_CHECKING:  # torch 2.12+; torch 2.11 has no dp_mesh_dims
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 # The original (unsharded) parameters every fully_shard call replaced: a weight tied
 # across two calls is still the original object in the module sharded second.
@@ -41,6 +45,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shards ``module``'s parameters across ``mesh``; a drop-in for FSDP2's ``fully_shard``.
 
@@ -68,10 +73,21 @@ def fully_shard(
             sharded parameters, gradients and so optimizer state on CPU.
         ignored_params: parameters left unsharded and unmanaged (no all-gather, no
             gradient reduction), as in FSDP2.
+        dp_mesh_dims: FSDP2's (torch 2.12+) names of the data-parallel dims of a full
+            SPMD ``mesh``; not supported: only ``None`` is accepted. Tensor-parallel
+            parameters compose as with FSDP2's ``mesh=``: pass the dp slice of the mesh
+            (e.g. ``mesh["dp"]``) after ``parallelize_module`` on ``mesh["tp"]``.
 
     Returns:
         ``module`` (or the list), each module now also an :class:`FSDPModule`.
     """
+    if dp_mesh_dims is not None:
+        raise ValueError(
+            f"dp_mesh_dims={dp_mesh_dims!r} is not supported by fsdp_traceable's fully_shard: "
+            "pass mesh= the data-parallel mesh instead (e.g. mesh['dp'], or "
+            "mesh['dp_replicate', 'dp_shard'] for HSDP); parameters that tensor parallel "
+            "made DTensors on the other dims are sharded as FSDP2 shards them"
+        )
     modules = module_list(module)
     for m in modules:
         if isinstance(m, FSDPModule):
@@ -151,12 +167,6 @@ def _managed_params(
                         f"parameter {fqn!r} was already sharded by fully_shard on a parent "
                         "module; apply fully_shard bottom-up: submodules first, then their "
                         "parents, the root last"
-                    )
-                if isinstance(param, DTensor):
-                    raise ValueError(
-                        f"parameter {fqn!r} is already a DTensor (placements "
-                        f"{tuple(param.placements)}); fully_shard shards plain parameters: "
-                        "apply it to the module before any other sharding"
                     )
                 if id(param) in sharded_elsewhere or param in _replaced_params:
                     raise ValueError(

@@ -37,7 +37,9 @@ TORCH_OBJECTS_THAT_SERVE = {
 DIFFERENCES = {
     "fully_shard": "an int `reshard_after_forward` other than 1 or the shard size is "
                    "eager-only (compiled, it raises `NotImplementedError`); a "
-                   "`ShardPlacementResult` on another mesh raises `NotImplementedError`",
+                   "`ShardPlacementResult` on another mesh raises `NotImplementedError`; "
+                   "`dp_mesh_dims` other than `None` raises `ValueError` (tensor-parallel "
+                   "DTensor parameters compose through `mesh=mesh['dp']`, as FSDP2)",
     "set_is_last_backward": "accepted and ignored: our backward leaves no reduction pending",
     "set_gradient_divide_factor": "a factor other than the shard size sums, then divides the "
                                   "output (FSDP2 uses NCCL's `premul_sum`; the numbers equal "
@@ -68,7 +70,8 @@ DIFFERENCES = {
 
 # Why a missing name is missing (default: it reads FSDP2's internal state).
 MISSING_BECAUSE = {
-    "DataParallelMeshDims": "FSDP2's mesh-dims description is not accepted yet",
+    "DataParallelMeshDims": "FSDP2's mesh-dims description is not accepted yet: "
+                            "`fully_shard(dp_mesh_dims=...)` raises `ValueError`",
 }
 _DEFAULT_MISSING = "not implemented yet; raises `NotImplementedError`"
 
