@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp_traceable
+from fsdp_traceable.testing import track_compiles
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ, N_BLOCKS = 16, 8, 16, 2, 4, 2
 
@@ -201,3 +202,24 @@ def rejected_inputs(mesh: DeviceMesh) -> dict[str, Any]:
             tp_linear(mesh["tp"]), mesh=mesh, dp_mesh_dims=dims(shard="dp")))
     return errors
 
+
+
+def compiled_parity(rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    """FSDP2 eager against ours under ``torch.compile(fullgraph=True)`` with compiled
+    autograd on ``backend``; with the graph breaks Dynamo counted for ours."""
+    mesh = two_d_mesh()
+    theirs, ours = sharded_pair(mesh)
+    dp_rank = mesh["dp"].get_local_rank()
+    result = {"theirs": train(theirs, dp_rank, 3)}
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(ours.loss, backend=backend, fullgraph=True)
+    backward_compiler = torch.compile(backend=backend, fullgraph=True)
+    with track_compiles() as record:
+        result["ours"] = train(ours, dp_rank, 3, compiled_loss,
+                               lambda: torch._dynamo.compiled_autograd._enable(backward_compiler))
+    result["graph_breaks"] = record.graph_breaks.count
+    result["frames"] = [frame.name for frame in record.frames]
+    result["recompiles"] = len(record.recompiles)
+    result["captures"] = record.compiled_autograd_captures
+    dist.barrier()
+    return result
