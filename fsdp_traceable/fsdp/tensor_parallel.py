@@ -111,7 +111,7 @@ def tensor_parallel_layout(
             "both meshes from one init_device_mesh(..., mesh_dim_names=(...)) mesh, e.g. "
             "mesh['dp'] and mesh['tp']"
         )
-    if tp_mesh._get_root_mesh() is not dp_mesh._get_root_mesh():
+    if tp_mesh._get_root_mesh() != dp_mesh._get_root_mesh():
         raise ValueError(
             f"{where}, not sliced from the mesh fully_shard's mesh {dp_mesh} comes from: "
             "slice both from one init_device_mesh mesh, e.g. mesh['dp'] and mesh['tp']"

@@ -6,6 +6,8 @@ name before any collective."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -47,3 +49,43 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
         0, split_factor=2), torch.distributed.tensor.Shard(0)))
     assert rowwise == (("dp", "tp"), (torch.distributed.tensor.Shard(0),
                                       torch.distributed.tensor.Shard(1)))
+
+
+class _Uneven(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(6, 10)
+        self.down = torch.nn.Linear(10, 6)
+
+
+@pytest.mark.parametrize("rank", [0, 5, 6])
+def test_hsdp_tp_layouts_match_fsdp2(rank: int) -> None:
+    """HSDP + TP on a (2, 2, 2) fake mesh, uneven shards: FSDP2's mesh, placements and
+    local shard shapes per parameter, ``Replicate()`` first for the HSDP dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import fsdp_traceable
+    from fsdp_traceable.testing.fake_world import fake_process_group
+
+    with fake_process_group(8, rank):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+        torch.manual_seed(0)
+        base = _Uneven()
+        layouts = []
+        for fully_shard in (fsdp2_fully_shard, fsdp_traceable.fully_shard):
+            model = parallelize_module(
+                copy.deepcopy(base), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            fully_shard(model, mesh=mesh["rep", "shard"])
+            # The fake group moves no data: layouts and local shapes only.
+            layouts.append({n: (tensor_parallel_cases.layout(p), p.to_local().shape, p.shape)
+                            for n, p in model.named_parameters()})
+    assert layouts[1] == layouts[0]
+    assert layouts[1]["up.weight"][0][1][:2] == (
+        torch.distributed.tensor.Replicate(),
+        torch.distributed.tensor.placement_types._StridedShard(0, split_factor=2))
