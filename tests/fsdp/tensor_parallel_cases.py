@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -92,25 +93,27 @@ def apply_tp(model: TinyLM, tp_mesh: DeviceMesh) -> None:
         })
 
 
-def apply_fsdp(model: TinyLM, dp_mesh: DeviceMesh, fully_shard: Callable[..., Any]) -> None:
+def apply_fsdp(model: TinyLM, dp_mesh: DeviceMesh, fully_shard: Callable[..., Any],
+               **kwargs: Any) -> None:
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
 
 
 def two_d_mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def sharded_pair(mesh: DeviceMesh) -> tuple[TinyLM, TinyLM]:
-    """(torch FSDP2's, ours): one init, TP on ``mesh["tp"]``, FSDP on ``mesh["dp"]``."""
+def sharded_pair(mesh: DeviceMesh, **kwargs: Any) -> tuple[TinyLM, TinyLM]:
+    """(torch FSDP2's, ours): one init, TP on ``mesh["tp"]``, FSDP on ``mesh["dp"]``
+    (``kwargs`` to every ``fully_shard``)."""
     torch.manual_seed(0)
     base = TinyLM()
     models = []
     for fully_shard in (fsdp2_fully_shard, fsdp_traceable.fully_shard):
         model = copy.deepcopy(base)
         apply_tp(model, mesh["tp"])
-        apply_fsdp(model, mesh["dp"], fully_shard)
+        apply_fsdp(model, mesh["dp"], fully_shard, **kwargs)
         models.append(model)
     return models[0], models[1]
 
@@ -156,7 +159,7 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
 
 def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """FSDP2 and ours trained eagerly; FSDP2's DCP checkpoint loaded into a fresh model
-    of ours; then the inputs ours must reject."""
+    of ours; both trained again with bf16 mixed precision; the inputs ours must reject."""
     mesh = two_d_mesh()
     theirs, ours = sharded_pair(mesh)
     dp_rank = mesh["dp"].get_local_rank()
@@ -168,6 +171,10 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     fresh.load_state_dict(state)
     result["loaded"] = {n: (layout(p), p.to_local().detach().clone())
                         for n, p in fresh.named_parameters()}
+    # torchtitan's default mixed precision: bf16 compute, fp32 reduction.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    theirs, ours = sharded_pair(mesh, mp_policy=policy)
+    result["bf16"] = {"theirs": train(theirs, dp_rank, 2), "ours": train(ours, dp_rank, 2)}
     result["errors"] = rejected_inputs(mesh)
     dist.barrier()
     return result

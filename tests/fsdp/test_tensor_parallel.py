@@ -1,6 +1,7 @@
 """TP + FSDP on a (dp=2, tp=2) mesh of 4 gloo ranks against torch's FSDP2: a torchtitan-
-style plan, ``fully_shard`` per block and at the root, 3 AdamW steps eagerly; losses,
-first-step gradients, final shards, parameter and ``state_dict()`` layouts bit for bit;
+style plan, ``fully_shard`` per block and at the root, 3 AdamW steps eagerly (and 2 with
+bf16 mixed precision); losses, first-step gradients, final shards, parameter and
+``state_dict()`` layouts bit for bit;
 FSDP2's DCP checkpoint loads into ours; the inputs FSDP2 cannot shard are rejected by
 name before any collective."""
 
@@ -34,6 +35,10 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
         _assert_same(theirs["params"], ours["params"], f"rank {rank} param")
         assert ours["state_dict"] == theirs["state_dict"], f"rank {rank}"
         _assert_same(theirs["params"], result["loaded"], f"rank {rank} FSDP2 checkpoint")
+        bf16 = result["bf16"]
+        assert bf16["ours"]["losses"] == bf16["theirs"]["losses"], f"rank {rank} bf16"
+        _assert_same(bf16["theirs"]["grads"], bf16["ours"]["grads"], f"rank {rank} bf16 grad")
+        _assert_same(bf16["theirs"]["params"], bf16["ours"]["params"], f"rank {rank} bf16")
         errors = result["errors"]
         assert errors["other_root"][0] == "ValueError" and "'weight'" in errors["other_root"][1]
         assert errors["overlap"][0] == "ValueError" and "already a DTensor" in errors["overlap"][1]
