@@ -83,9 +83,10 @@ def tensor_parallel_layout(
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     overlap = sorted(set(dp_names or ()) & set(tp_names or ()))
     if tp_mesh == dp_mesh or overlap:
+        dims = f" (dims {overlap})" if overlap else ""
         raise ValueError(
             f"parameter {fqn!r} is already a DTensor (placements {tuple(spec.placements)}) on "
-            f"fully_shard's mesh {dp_mesh} (dims {overlap}): is it sharded by FSDP already? "
+            f"fully_shard's mesh {dp_mesh}{dims}: is it sharded by FSDP already? "
             "fully_shard shards plain parameters, and tensor-parallel DTensors on other dims "
             "of the same mesh (e.g. mesh['tp'] with fully_shard(mesh=mesh['dp']))"
         )

@@ -131,7 +131,13 @@ def layout(tensor: DTensor) -> tuple:
 
 def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = None,
           backward_context: Callable | None = None) -> dict[str, Any]:
-    """Losses, first-step gradients (layout and local values), final shards and layouts."""
+    """Losses, first-step gradients (layout and local values), final shards and layouts;
+    eager, also the layouts of the weights a feed-forward computes with."""
+    seen: dict[str, tuple] = {}
+    if loss_of is None:  # eager only: the hook is not part of what is compiled
+        hook = model.layers[0].feed_forward.register_forward_hook(
+            lambda module, args, output: seen.update(
+                w1=layout(module.w1.weight), w2=layout(module.w2.weight)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
     loss_of = loss_of or model.loss
     losses, grads = [], None
@@ -148,7 +154,10 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    if loss_of is None:
+        hook.remove()
     return {
+        "compute_weights": seen,
         "losses": losses,
         "grads": grads,
         "params": {n: (layout(p), p.to_local().detach().clone())

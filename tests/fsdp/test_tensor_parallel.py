@@ -1,9 +1,9 @@
 """TP + FSDP on a (dp=2, tp=2) mesh of 4 gloo ranks against torch's FSDP2: a torchtitan-
 style plan, ``fully_shard`` per block and at the root, 3 AdamW steps eagerly (and 2 with
 bf16 mixed precision); losses, first-step gradients, final shards, parameter and
-``state_dict()`` layouts bit for bit;
-FSDP2's DCP checkpoint loads into ours; the inputs FSDP2 cannot shard are rejected by
-name before any collective."""
+``state_dict()`` layouts bit for bit, and the TP DTensors forward computes with; FSDP2's
+DCP checkpoint loads into ours; inputs that cannot be sharded are rejected by name
+before any collective."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import tensor_parallel_cases
@@ -31,6 +32,9 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
     for rank, result in enumerate(results):
         theirs, ours = result["theirs"], result["ours"]
         assert ours["losses"] == theirs["losses"], f"rank {rank}"
+        # Forward computes with the TP DTensors, on the TP mesh only.
+        assert ours["compute_weights"] == theirs["compute_weights"] == {
+            "w1": (("tp",), (Shard(0),)), "w2": (("tp",), (Shard(1),))}
         _assert_same(theirs["grads"], ours["grads"], f"rank {rank} grad")
         _assert_same(theirs["params"], ours["params"], f"rank {rank} param")
         assert ours["state_dict"] == theirs["state_dict"], f"rank {rank}"
