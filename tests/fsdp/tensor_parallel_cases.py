@@ -118,6 +118,24 @@ def sharded_pair(mesh: DeviceMesh, **kwargs: Any) -> tuple[TinyLM, TinyLM]:
     return models[0], models[1]
 
 
+def meta_init_pair(mesh: DeviceMesh) -> tuple[TinyLM, TinyLM]:
+    """(torch FSDP2's, ours) as torchtitan builds them: on meta, TP, FSDP, ``to_empty``,
+    then each module's ``reset_parameters`` (DTensor random ops) from one seed."""
+    models = []
+    for fully_shard in (fsdp2_fully_shard, fsdp_traceable.fully_shard):
+        with torch.device("meta"):
+            model = TinyLM()
+        apply_tp(model, mesh["tp"])
+        apply_fsdp(model, mesh["dp"], fully_shard)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        models.append(model)
+    return models[0], models[1]
+
+
 def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of dp rank ``dp_rank`` at ``step`` (the same on its TP ranks)."""
     generator = torch.Generator().manual_seed(100 + 10 * step + dp_rank)
@@ -168,7 +186,8 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
 
 def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """FSDP2 and ours trained eagerly; FSDP2's DCP checkpoint loaded into a fresh model
-    of ours; both trained again with bf16 mixed precision; the inputs ours must reject."""
+    of ours; both trained again with bf16 mixed precision, and built on meta; the inputs
+    ours must reject."""
     mesh = two_d_mesh()
     theirs, ours = sharded_pair(mesh)
     dp_rank = mesh["dp"].get_local_rank()
@@ -184,6 +203,8 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     theirs, ours = sharded_pair(mesh, mp_policy=policy)
     result["bf16"] = {"theirs": train(theirs, dp_rank, 2), "ours": train(ours, dp_rank, 2)}
+    theirs, ours = meta_init_pair(mesh)
+    result["meta"] = {"theirs": train(theirs, dp_rank, 2), "ours": train(ours, dp_rank, 2)}
     result["errors"] = rejected_inputs(mesh)
     dist.barrier()
     return result

@@ -1,9 +1,9 @@
 """TP + FSDP on a (dp=2, tp=2) mesh of 4 gloo ranks against torch's FSDP2: a torchtitan-
 style plan, ``fully_shard`` per block and at the root, 3 AdamW steps eagerly (and 2 with
-bf16 mixed precision); losses, first-step gradients, final shards, parameter and
-``state_dict()`` layouts bit for bit, and the TP DTensors forward computes with; FSDP2's
-DCP checkpoint loads into ours; inputs that cannot be sharded are rejected by name
-before any collective."""
+bf16 mixed precision, and 2 built on meta as torchtitan does); losses, first-step
+gradients, final shards, parameter and ``state_dict()`` layouts bit for bit, and the TP
+DTensors forward computes with; FSDP2's DCP checkpoint loads into ours; inputs that
+cannot be sharded are rejected by name before any collective."""
 
 from __future__ import annotations
 
@@ -39,10 +39,11 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
         _assert_same(theirs["params"], ours["params"], f"rank {rank} param")
         assert ours["state_dict"] == theirs["state_dict"], f"rank {rank}"
         _assert_same(theirs["params"], result["loaded"], f"rank {rank} FSDP2 checkpoint")
-        bf16 = result["bf16"]
-        assert bf16["ours"]["losses"] == bf16["theirs"]["losses"], f"rank {rank} bf16"
-        _assert_same(bf16["theirs"]["grads"], bf16["ours"]["grads"], f"rank {rank} bf16 grad")
-        _assert_same(bf16["theirs"]["params"], bf16["ours"]["params"], f"rank {rank} bf16")
+        for case in ("bf16", "meta"):
+            pair = result[case]
+            assert pair["ours"]["losses"] == pair["theirs"]["losses"], f"rank {rank} {case}"
+            _assert_same(pair["theirs"]["grads"], pair["ours"]["grads"], f"rank {rank} {case} grad")
+            _assert_same(pair["theirs"]["params"], pair["ours"]["params"], f"rank {rank} {case}")
         errors = result["errors"]
         assert errors["other_root"][0] == "ValueError" and "'weight'" in errors["other_root"][1]
         assert errors["overlap"][0] == "ValueError" and "already a DTensor" in errors["overlap"][1]
