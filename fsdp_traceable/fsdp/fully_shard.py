@@ -23,6 +23,7 @@ from .arguments import (
 )
 from .fsdp_module import FSDPModule, fsdp_class, owner_class, swap_class
 from .param_group import ParamGroup
+from .tensor_parallel import data_parallel_mesh
 
 if TYPE_CHECKING:  # torch 2.12+; torch 2.11 has no dp_mesh_dims
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -73,21 +74,25 @@ def fully_shard(
             sharded parameters, gradients and so optimizer state on CPU.
         ignored_params: parameters left unsharded and unmanaged (no all-gather, no
             gradient reduction), as in FSDP2.
-        dp_mesh_dims: FSDP2's (torch 2.12+) names of the data-parallel dims of a full
-            SPMD ``mesh``; not supported: only ``None`` is accepted. Tensor-parallel
-            parameters compose as with FSDP2's ``mesh=``: pass the dp slice of the mesh
-            (e.g. ``mesh["dp"]``) after ``parallelize_module`` on ``mesh["tp"]``.
+        dp_mesh_dims: FSDP2's (torch 2.12+) ``DataParallelMeshDims``: ``mesh`` is then
+            the full SPMD mesh, every parameter a DTensor on it with ``Replicate()`` on
+            the dp dims, which are ``shard`` (one dim) and optionally ``replicate``
+            (HSDP). Without it, tensor-parallel parameters compose as with FSDP2: pass
+            the dp slice (e.g. ``mesh["dp"]``) after ``parallelize_module`` on
+            ``mesh["tp"]``.
 
     Returns:
         ``module`` (or the list), each module now also an :class:`FSDPModule`.
     """
+    spmd = None
     if dp_mesh_dims is not None:
-        raise ValueError(
-            f"dp_mesh_dims={dp_mesh_dims!r} is not supported by fsdp_traceable's fully_shard: "
-            "pass mesh= the data-parallel mesh instead (e.g. mesh['dp'], or "
-            "mesh['dp_replicate', 'dp_shard'] for HSDP); parameters that tensor parallel "
-            "made DTensors on the other dims are sharded as FSDP2 shards them"
-        )
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(
+                "fully_shard(dp_mesh_dims=...) needs mesh= the full SPMD DeviceMesh the "
+                f"parameters are DTensors on, got {type(mesh).__name__}"
+            )
+        spmd = (mesh, dp_mesh_dims)
+        mesh = data_parallel_mesh(mesh, dp_mesh_dims)
     modules = module_list(module)
     for m in modules:
         if isinstance(m, FSDPModule):
@@ -113,7 +118,7 @@ def fully_shard(
         [(fqn, param) for fqn, param, _ in owned], mesh,
         reshard_after_forward=reshard, mp_policy=mp_policy,
         shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
-        pin_memory=offload_to_cpu and offload_policy.pin_memory,
+        pin_memory=offload_to_cpu and offload_policy.pin_memory, spmd=spmd,
     )
     for _, param, _ in owned:
         _replaced_params[param] = True

@@ -33,7 +33,7 @@ from .all_gather_extensions import (
 from .arguments import shard_placement
 from .eager_state import EagerState
 from .post_forward import PostForwardResharding
-from .tensor_parallel import TensorParallelLayout, tensor_parallel_layout
+from .tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
 
 if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -57,9 +57,12 @@ class ParamGroup:
         shard_placement_fn: Callable[[nn.Parameter], object] | None,
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
+        spmd: tuple[DeviceMesh, object] | None = None,
     ) -> None:
-        # Where the group communicates.
+        # Where the group communicates; with dp_mesh_dims, ``spmd`` is the full mesh the
+        # parameters are DTensors on and the DataParallelMeshDims naming ``mesh``'s dims.
         self.mesh = mesh
+        self.spmd = spmd
         self.device_type = mesh.device_type
         self.is_hsdp = mesh.ndim == 2
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -154,7 +157,7 @@ class ParamGroup:
     def _tp_layout(self, fqn: str, param: nn.Parameter, shard_dim: int
                    ) -> TensorParallelLayout | None:
         """A TP parameter's layout, checked (see [Note: TP parameters]); None for others."""
-        if not isinstance(param, DTensor):
+        if not isinstance(param, DTensor) and self.spmd is None:
             return None
         if self.post_forward is not None:
             raise NotImplementedError(
@@ -163,6 +166,8 @@ class ParamGroup:
                 "forward is not supported (nor by FSDP2); use reshard_after_forward=True "
                 "or False"
             )
+        if self.spmd is not None:
+            return spmd_layout(fqn, param, *self.spmd, shard_dim)
         return tensor_parallel_layout(fqn, param, self.mesh, shard_dim)
 
     def _shard_device(self, param: nn.Parameter) -> torch.device:

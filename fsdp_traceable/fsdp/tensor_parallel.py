@@ -19,6 +19,14 @@ FSDP2's ``FSDPParam._init_sharding_spec_tp`` does:
   to those placements (e.g. an all-reduce of a ``Partial`` gradient of a replicated
   norm weight), as FSDP2's ``_get_grad_inner_tensor`` does before its reduce-scatter,
   and hands the reduce-scatter the plain local gradient.
+
+With ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` (FSDP2's SPMD path, torch 2.12+)
+every parameter is a DTensor on the whole mesh with ``Replicate()`` on the dp dims: the
+sharded parameter keeps that mesh, its dp shard dim becoming ``Shard(d)`` or
+``_StridedShard``; forward computes with the parameter's own DTensor layout, and
+backward redistributes the gradient on the other dims only, leaving the dp dims (e.g.
+``Partial`` from a batch sharded on dp) to the reduce-scatter, as FSDP2's
+``_get_grad_inner_tensor`` does.
 """
 
 from __future__ import annotations
@@ -46,13 +54,36 @@ class TensorParallelLayout:
     tp_spec: DTensorSpec
     spmd_mesh: DeviceMesh
     spmd_placements: tuple[Placement, ...]
+    # dp_mesh_dims only: the mesh dims whose gradient placement backward keeps.
+    dp_dims: frozenset[int] = frozenset()
 
     def unsharded(self, local: torch.Tensor) -> DTensor:
         """The TP DTensor forward computes with, around the all-gathered ``local``
         (differentiable: see [Note: TP parameters])."""
         spec = self.tp_spec
+        if self.dp_dims:
+            return _KeepDataParallelGrad.apply(local, spec, self.dp_dims)
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                                   shape=spec.shape, stride=spec.stride)
+
+
+class _KeepDataParallelGrad(torch.autograd.Function):
+    """``DTensor.from_local`` whose backward redistributes the gradient to the
+    parameter's placements on the non-dp dims only (see [Note: TP parameters])."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, dp_dims: frozenset[int]) -> DTensor:
+        ctx.spec, ctx.dp_dims = spec, dp_dims
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                                  shape=spec.shape, stride=spec.stride)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[torch.Tensor, None, None]:
+        placements = tuple(grad.placements[i] if i in ctx.dp_dims else p
+                           for i, p in enumerate(ctx.spec.placements))
+        if placements != tuple(grad.placements):
+            grad = grad.redistribute(placements=placements)
+        return grad.to_local(), None, None
 
 
 def tensor_parallel_layout(
@@ -146,3 +177,82 @@ def _spmd_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh
             f"{tp_mesh.mesh_dim_names} of {root.mesh_dim_names}"
         )
     return root
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
+    """FSDP2's dp mesh for ``fully_shard(mesh=mesh, dp_mesh_dims=...)``: the named shard
+    dim (FSDP), or the replicate and shard dims (HSDP), each several dims flattened.
+
+    Args:
+        mesh: the full SPMD mesh the parameters are DTensors on.
+        dp_mesh_dims: torch's ``DataParallelMeshDims``.
+
+    Returns:
+        The 1-D (FSDP) or 2-D (replicate, shard) dp mesh.
+
+    Raises:
+        ValueError: unnamed mesh dims, or a name not in the mesh.
+        NotImplementedError: no shard dim (DDP), or several shard dims.
+    """
+    shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None:
+        raise ValueError("fully_shard(dp_mesh_dims=...) needs a DeviceMesh with mesh_dim_names")
+    for name in (*shard, *replicate):
+        if name not in names:
+            raise ValueError(
+                f"dp_mesh_dims names mesh dim {name!r}, which is not in the mesh's dims {names}"
+            )
+    if len(shard) != 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dp_mesh_dims!r}: fully_shard supports exactly one shard dim "
+            "(DDP without one, and several flattened shard dims, are not supported yet)"
+        )
+    shard_mesh = mesh[shard[0]]
+    if not replicate:
+        return shard_mesh
+    replicate_mesh = mesh[replicate[0]] if len(replicate) == 1 else mesh[replicate]._flatten(
+        "_".join(replicate))
+    return DeviceMesh._concatenate([replicate_mesh, shard_mesh])
+
+
+def spmd_layout(
+    fqn: str, param: object, spmd_mesh: DeviceMesh, dp_mesh_dims: object, shard_dim: int
+) -> TensorParallelLayout:
+    """A parameter's layout under ``dp_mesh_dims`` (see [Note: TP parameters]), checked
+    as FSDP2 checks it, before any collective.
+
+    Raises:
+        ValueError: not a DTensor on ``spmd_mesh`` itself, or not ``Replicate()`` on a
+            dp dim.
+    """
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"parameter {fqn!r} is a plain tensor: with dp_mesh_dims, every parameter must "
+            "be a DTensor on the full SPMD mesh (e.g. via distribute_module)"
+        )
+    spec = param._spec
+    if spec.mesh != spmd_mesh:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {spec.mesh}, not on the mesh passed to "
+            f"fully_shard ({spmd_mesh}); with dp_mesh_dims they must be the same mesh"
+        )
+    names = spmd_mesh.mesh_dim_names
+    shard_index = names.index(dp_mesh_dims.shard_names[0])
+    dp_dims = frozenset([shard_index, *(names.index(n) for n in dp_mesh_dims.replicate_names)])
+    for i in sorted(dp_dims):
+        if not isinstance(spec.placements[i], Replicate):
+            raise ValueError(
+                f"parameter {fqn!r} has placement {spec.placements[i]} on dp mesh dim "
+                f"{names[i]!r}: with dp_mesh_dims, parameters must be Replicate() on every "
+                "dp dim"
+            )
+    split_factor = 1
+    for j in range(shard_index + 1, spmd_mesh.ndim):
+        placement = spec.placements[j]
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == shard_dim:
+            split_factor *= spmd_mesh.size(j)
+    placements = list(spec.placements)
+    placements[shard_index] = (_StridedShard(shard_dim, split_factor=split_factor)
+                               if split_factor > 1 else Shard(shard_dim))
+    return TensorParallelLayout(spec, spmd_mesh, tuple(placements), dp_dims)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -136,6 +136,55 @@ def meta_init_pair(mesh: DeviceMesh) -> tuple[TinyLM, TinyLM]:
     return models[0], models[1]
 
 
+class SpmdMLP(nn.Module):
+    """Two projections whose weights are DTensors on the whole (dp, tp) mesh, colwise then
+    rowwise on tp and ``Replicate()`` on dp: FSDP2's ``dp_mesh_dims`` input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def distribute(self, mesh: DeviceMesh) -> SpmdMLP:
+        for linear, tp_placement in ((self.w1, Shard(0)), (self.w2, Shard(1))):
+            linear.weight = nn.Parameter(
+                distribute_tensor(linear.weight.detach(), mesh, (Replicate(), tp_placement)))
+        return self
+
+    def forward(self, x: DTensor) -> DTensor:
+        return self.w2(F.silu(self.w1(x)))
+
+
+def spmd_parity(mesh: DeviceMesh, dp_rank: int, steps: int = 3) -> dict[str, Any]:
+    """FSDP2 and ours with ``dp_mesh_dims`` on two ``SpmdMLP`` blocks, the batch a
+    DTensor sharded on dp: losses, first-step gradients and final shards."""
+    dims = torch.distributed.fsdp.DataParallelMeshDims(shard="dp")
+    torch.manual_seed(0)
+    bases = [SpmdMLP() for _ in range(2)]
+    result = {}
+    for name, fully_shard in (("theirs", fsdp2_fully_shard), ("ours", fsdp_traceable.fully_shard)):
+        model = nn.Sequential(*(copy.deepcopy(b).distribute(mesh) for b in bases))
+        for block in model:
+            fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+        losses, grads = [], None
+        for step in range(steps):
+            local = torch.randn(BATCH * SEQ, DIM, generator=torch.Generator().manual_seed(
+                10 * step + dp_rank))
+            loss = (model(DTensor.from_local(local, mesh, (Shard(0), Replicate()))) ** 2).mean()
+            loss.backward()
+            if step == 0:
+                grads = {n: (layout(p.grad), p.grad.to_local().clone())
+                         for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.full_tensor().item())
+        result[name] = {"losses": losses, "grads": grads, "params": {
+            n: (layout(p), p.to_local().detach().clone()) for n, p in model.named_parameters()}}
+    return result
+
+
 def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of dp rank ``dp_rank`` at ``step`` (the same on its TP ranks)."""
     generator = torch.Generator().manual_seed(100 + 10 * step + dp_rank)
@@ -186,8 +235,8 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
 
 def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """FSDP2 and ours trained eagerly; FSDP2's DCP checkpoint loaded into a fresh model
-    of ours; both trained again with bf16 mixed precision, and built on meta; the inputs
-    ours must reject."""
+    of ours; both trained again with bf16 mixed precision, and built on meta; both with
+    ``dp_mesh_dims`` (torch 2.12+); the inputs ours must reject."""
     mesh = two_d_mesh()
     theirs, ours = sharded_pair(mesh)
     dp_rank = mesh["dp"].get_local_rank()
@@ -205,6 +254,8 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     result["bf16"] = {"theirs": train(theirs, dp_rank, 2), "ours": train(ours, dp_rank, 2)}
     theirs, ours = meta_init_pair(mesh)
     result["meta"] = {"theirs": train(theirs, dp_rank, 2), "ours": train(ours, dp_rank, 2)}
+    if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch 2.12+
+        result["spmd"] = spmd_parity(mesh, dp_rank)
     result["errors"] = rejected_inputs(mesh)
     dist.barrier()
     return result
@@ -235,8 +286,13 @@ def rejected_inputs(mesh: DeviceMesh) -> dict[str, Any]:
     errors["partial"] = _error(lambda: fsdp_traceable.fully_shard(partial, mesh=mesh["dp"]))
     dims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
     if dims is not None:
-        errors["dp_mesh_dims"] = _error(lambda: fsdp_traceable.fully_shard(
-            tp_linear(mesh["tp"]), mesh=mesh, dp_mesh_dims=dims(shard="dp")))
+        errors["spmd_plain"] = _error(lambda: fsdp_traceable.fully_shard(
+            nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims(shard="dp")))
+        sharded_on_dp = nn.Linear(4, 4)
+        sharded_on_dp.weight = nn.Parameter(
+            DTensor.from_local(torch.ones(2, 4), mesh, (Shard(0), Replicate())))
+        errors["spmd_sharded_on_dp"] = _error(lambda: fsdp_traceable.fully_shard(
+            sharded_on_dp, mesh=mesh, dp_mesh_dims=dims(shard="dp")))
     return errors
 
 
