@@ -36,3 +36,25 @@ def test_compiled_tp_fsdp_trains_like_fsdp2_eager_without_graph_breaks():
         _assert_close(theirs["grads"], ours["grads"], f"rank {rank} grad")
         _assert_close(theirs["params"], ours["params"], f"rank {rank} param")
         assert ours["state_dict"] == theirs["state_dict"], f"rank {rank}"
+
+
+def test_dp_mesh_dims_raises_under_compile() -> None:
+    """``dp_mesh_dims`` runs eagerly only (see ``fsdp/tensor_parallel.py``); compiled, the
+    first forward says so (one process, a fake (2, 2) world)."""
+    dims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
+    if dims is None:
+        pytest.skip("torch < 2.12 has no dp_mesh_dims")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import fsdp_traceable
+    from fsdp_traceable.testing.fake_world import fake_process_group
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = tensor_parallel_cases.SpmdMLP().distribute(mesh)
+        fsdp_traceable.fully_shard(model, mesh=mesh, dp_mesh_dims=dims(shard="dp"))
+        x = DTensor.from_local(torch.randn(4, tensor_parallel_cases.DIM), mesh,
+                               (Shard(0), Replicate()))
+        with pytest.raises(Exception, match="dp_mesh_dims=...\\) runs eagerly only"):
+            torch.compile(model, backend="aot_eager", fullgraph=True)(x)

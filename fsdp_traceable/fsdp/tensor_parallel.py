@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from ..collectives import comm
+
 
 @dataclass(frozen=True)
 class TensorParallelLayout:
@@ -62,6 +64,15 @@ class TensorParallelLayout:
         (differentiable: see [Note: TP parameters])."""
         spec = self.tp_spec
         if self.dp_dims:
+            if comm.use_traced_path():
+                # AOTAutograd hands the Function's backward the gradient's local tensor
+                # under the wrong layout ("invalid gradient ... got [8, 16] but expected
+                # [8, 8]" on a (2, 2) mesh, torch 2.13).
+                raise NotImplementedError(
+                    "fully_shard(dp_mesh_dims=...) runs eagerly only: under torch.compile "
+                    "pass mesh=mesh['dp'] with parameters that parallelize_module made "
+                    "DTensors on mesh['tp'] instead"
+                )
             return _KeepDataParallelGrad.apply(local, spec, self.dp_dims)
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                                   shape=spec.shape, stride=spec.stride)

@@ -40,6 +40,7 @@ DIFFERENCES = {
                    "eager-only (compiled, it raises `NotImplementedError`); a "
                    "`ShardPlacementResult` on another mesh raises `NotImplementedError`; "
                    "`dp_mesh_dims` takes one shard dim (several, or none, raise "
+                   "`NotImplementedError`) and runs eagerly only (compiled, it raises "
                    "`NotImplementedError`)",
     "set_is_last_backward": "accepted and ignored: our backward leaves no reduction pending",
     "set_gradient_divide_factor": "a factor other than the shard size sums, then divides the "
