@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_patches
@@ -24,7 +25,11 @@ from .arguments import (
 from .fsdp_module import FSDPModule, fsdp_class, swap_class
 from .param_group import ParamGroup
 from .root_state import RootState
+from .tensor_parallel import data_parallel_mesh
 from .unsharded_binding import owner_class
+
+if TYPE_CHECKING:  # torch 2.12+; torch 2.11 has no dp_mesh_dims
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shards ``module``'s parameters across ``mesh``; a drop-in for FSDP2's ``fully_shard``.
 
@@ -76,10 +82,25 @@ def fully_shard(
             sharded parameters, gradients and so optimizer state on CPU.
         ignored_params: parameters left unsharded and unmanaged (no all-gather, no
             gradient reduction), as in FSDP2.
+        dp_mesh_dims: FSDP2's (torch 2.12+) ``DataParallelMeshDims``: ``mesh`` is then
+            the full SPMD mesh, every parameter a DTensor on it with ``Replicate()`` on
+            the dp dims, which are ``shard`` (one dim) and optionally ``replicate``
+            (HSDP). Without it, tensor-parallel parameters compose as with FSDP2: pass
+            the dp slice (e.g. ``mesh["dp"]``) after ``parallelize_module`` on
+            ``mesh["tp"]``.
 
     Returns:
         ``module`` (or the list), each module now also an :class:`FSDPModule`.
     """
+    spmd = None
+    if dp_mesh_dims is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(
+                "fully_shard(dp_mesh_dims=...) needs mesh= the full SPMD DeviceMesh the "
+                f"parameters are DTensors on, got {type(mesh).__name__}"
+            )
+        spmd = (mesh, dp_mesh_dims)
+        mesh = data_parallel_mesh(mesh, dp_mesh_dims)
     modules = module_list(module)
     for m in modules:
         if isinstance(m, FSDPModule):
@@ -105,7 +126,7 @@ def fully_shard(
         [(fqn, param) for fqn, param, _ in owned], mesh,
         reshard_after_forward=reshard, mp_policy=mp_policy,
         shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
-        pin_memory=offload_to_cpu and offload_policy.pin_memory,
+        pin_memory=offload_to_cpu and offload_policy.pin_memory, spmd=spmd,
     )
     if log.isEnabledFor(logging.DEBUG):
         _log_group(group, modules, reshard)
@@ -179,12 +200,6 @@ def _managed_params(
                         f"parameter {fqn!r} was already sharded by fully_shard on a parent "
                         "module; apply fully_shard bottom-up: submodules first, then their "
                         "parents, the root last"
-                    )
-                if isinstance(param, DTensor):
-                    raise ValueError(
-                        f"parameter {fqn!r} is already a DTensor (placements "
-                        f"{tuple(param.placements)}); fully_shard shards plain parameters: "
-                        "apply it to the module before any other sharding"
                     )
                 if id(param) in sharded_elsewhere or param in _replaced_params:
                     raise ValueError(

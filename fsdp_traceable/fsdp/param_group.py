@@ -36,6 +36,7 @@ from .arguments import shard_placement
 from .eager_state import EagerState
 from .post_forward import PostForwardResharding
 from .root_state import RootState
+from .tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
 
 if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -61,12 +62,15 @@ class ParamGroup:
         shard_placement_fn: Callable[[nn.Parameter], object] | None,
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
+        spmd: tuple[DeviceMesh, object] | None = None,
     ) -> None:
         # What profiler labels and debug logs call the group: its module's path under
         # the root (set when the root links the groups; "" for the root).
         self.name = ""
-        # Where the group communicates.
+        # Where the group communicates; with dp_mesh_dims, ``spmd`` is the full mesh the
+        # parameters are DTensors on and the DataParallelMeshDims naming ``mesh``'s dims.
         self.mesh = mesh
+        self.spmd = spmd
         self.device_type = mesh.device_type
         self.is_hsdp = mesh.ndim == 2
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -106,18 +110,22 @@ class ParamGroup:
         # group is its own model until the root's fully_shard links it.
         self.root_state = RootState()
 
-        # The parameters: one ShardInfo and one sharded DTensor parameter each.
+        # The parameters: one ShardInfo and one sharded DTensor parameter each; TP
+        # parameters also a layout (see [Note: TP parameters]).
         self.fqns = [fqn for fqn, _ in named_params]
-        self.infos: list[ShardInfo] = [
-            _shard_info(fqn, param, mesh, mp_policy, shard_placement_fn, offload_to_cpu)
-            for fqn, param in named_params
-        ]
+        self.infos: list[ShardInfo] = []
+        self.tp_layouts: list[TensorParallelLayout | None] = []
+        for fqn, param in named_params:
+            shard_dim = shard_placement(fqn, param, mesh, shard_placement_fn)
+            self.tp_layouts.append(self._tp_layout(fqn, param, shard_dim))
+            self.infos.append(_shard_info(fqn, param, mesh, mp_policy, shard_dim, offload_to_cpu))
         check_bucket_bytes(self.infos, self.fqns)
         self.sharded_params: list[nn.Parameter] = [
             _sharded_param(param, info, mesh, self.is_hsdp, self._shard_device(param),
-                           pin_memory)
-            for (_, param), info in zip(named_params, self.infos)
+                           pin_memory, layout)
+            for (_, param), info, layout in zip(named_params, self.infos, self.tp_layouts)
         ]
+        self._has_tp_params = any(layout is not None for layout in self.tp_layouts)
         # (module, attribute name, parameter index) for every module attribute that
         # holds one of the parameters (a tied weight has several).
         self.bindings: list[tuple[nn.Module, str, int]] = []
@@ -157,6 +165,22 @@ class ParamGroup:
             self._reshard_after_forward = True
             self.post_forward = PostForwardResharding(self.mesh, value)
 
+    def _tp_layout(self, fqn: str, param: nn.Parameter, shard_dim: int
+                   ) -> TensorParallelLayout | None:
+        """A TP parameter's layout, checked (see [Note: TP parameters]); None for others."""
+        if not isinstance(param, DTensor) and self.spmd is None:
+            return None
+        if self.post_forward is not None:
+            raise NotImplementedError(
+                f"reshard_after_forward={self.post_forward.group_size} with tensor-parallel "
+                f"parameter {fqn!r}: resharding DTensor parameters to a smaller mesh after "
+                "forward is not supported (nor by FSDP2); use reshard_after_forward=True "
+                "or False"
+            )
+        if self.spmd is not None:
+            return spmd_layout(fqn, param, *self.spmd, shard_dim)
+        return tensor_parallel_layout(fqn, param, self.mesh, shard_dim)
+
     def _shard_device(self, param: nn.Parameter) -> torch.device:
         """Where a sharded parameter lives: meta stays meta (FSDP2 materializes later)."""
         if param.device.type == "meta":
@@ -185,6 +209,15 @@ class ParamGroup:
             for fqn, param, info, holder in zip(
                 self.fqns, self.sharded_params, self.infos, self.first_holders)
         ]
+
+    def compute_params(self, unsharded: list[torch.Tensor] | tuple[torch.Tensor, ...]
+                       ) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+        """What forward computes with, from the all-gathered parameters: TP parameters
+        as DTensors on their TP mesh (see [Note: TP parameters]), the others as they are."""
+        if not self._has_tp_params:
+            return unsharded
+        return [t if layout is None else layout.unsharded(t)
+                for t, layout in zip(unsharded, self.tp_layouts)]
 
     def bind(self, owner: nn.Module, name: str, index: int) -> None:
         """Records that ``owner.<name>`` is parameter ``index`` of this group."""
@@ -347,13 +380,14 @@ def _shard_info(
     param: nn.Parameter,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
-    shard_placement_fn: Callable[[nn.Parameter], object] | None,
+    shard_dim: int,
     offload_to_cpu: bool,
 ) -> ShardInfo:
-    shard_dim = shard_placement(fqn, param, mesh, shard_placement_fn)
+    # A TP parameter's FSDP shards are of its local tensor (see [Note: TP parameters]).
+    shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
     try:
         return make_shard_info(
-            param.shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
+            shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
             shard_dim=shard_dim, orig_dtype=param.dtype, param_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype, offload_to_cpu=offload_to_cpu,
         )
@@ -368,12 +402,17 @@ def _sharded_param(
     is_hsdp: bool,
     device: torch.device,
     pin_memory: bool,
+    tp_layout: TensorParallelLayout | None,
 ) -> nn.Parameter:
-    local = shard_tensor(param.detach().to(device), info)
+    data = param._local_tensor if isinstance(param, DTensor) else param
+    local = shard_tensor(data.detach().to(device), info)
     if pin_memory and device.type == "cpu":
         local = _pinned(local)
-    shard = Shard(info.shard_dim)
-    placements = (Replicate(), shard) if is_hsdp else (shard,)
+    if tp_layout is not None:
+        mesh, placements = tp_layout.spmd_mesh, tp_layout.spmd_placements
+    else:
+        shard = Shard(info.shard_dim)
+        placements = (Replicate(), shard) if is_hsdp else (shard,)
     dtensor = DTensor.from_local(
         local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride(),
     )

@@ -35,6 +35,7 @@ def is_bound(group: ParamGroup) -> bool:
 
 def bind_unsharded(group: ParamGroup, unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
     """Makes the group's modules read ``unsharded`` (by parameter index) for their parameters."""
+    unsharded = group.compute_params(unsharded)
     for owner, name, i in group.bindings:
         owner.__dict__["_fsdp_unsharded"][name] = unsharded[i]
 

@@ -31,13 +31,17 @@ TORCH_OBJECTS_THAT_SERVE = {
     "register_fsdp_forward_method": "torch's function works on our modules",
     "share_comm_ctx": "torch's function works on our modules: their groups share one "
                       "copy-in stream",
+    "DataParallelMeshDims": "torch's class (torch 2.12+), accepted by `dp_mesh_dims=`",
 }
 
 # Implemented, with a difference from FSDP2 a user can see.
 DIFFERENCES = {
     "fully_shard": "an int `reshard_after_forward` other than 1 or the shard size is "
                    "eager-only (compiled, it raises `NotImplementedError`); a "
-                   "`ShardPlacementResult` on another mesh raises `NotImplementedError`",
+                   "`ShardPlacementResult` on another mesh raises `NotImplementedError`; "
+                   "`dp_mesh_dims` takes one shard dim (several, or none, raise "
+                   "`NotImplementedError`) and runs eagerly only (compiled, it raises "
+                   "`NotImplementedError`)",
     "set_is_last_backward": "accepted and ignored: our backward leaves no reduction pending",
     "set_gradient_divide_factor": "a factor other than the shard size sums, then divides the "
                                   "output (FSDP2 uses NCCL's `premul_sum`; the numbers equal "
@@ -67,9 +71,7 @@ DIFFERENCES = {
 }
 
 # Why a missing name is missing (default: it reads FSDP2's internal state).
-MISSING_BECAUSE = {
-    "DataParallelMeshDims": "FSDP2's mesh-dims description is not accepted yet",
-}
+MISSING_BECAUSE: dict[str, str] = {}
 _DEFAULT_MISSING = "not implemented yet; raises `NotImplementedError`"
 
 
