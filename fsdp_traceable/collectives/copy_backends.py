@@ -98,7 +98,7 @@ def _triton_module():
             "fsdp_traceable.config.copy_kernels='triton' needs the triton package: "
             "install triton, or set copy_kernels to 'inductor' or 'foreach'"
         )
-    from fsdp_traceable import triton_kernels
+    import fsdp_traceable.triton_kernels as triton_kernels
 
     return triton_kernels
 
