@@ -201,7 +201,8 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
     """Losses, first-step gradients (layout and local values), final shards and layouts;
     eager, also the layouts of the weights a feed-forward computes with."""
     seen: dict[str, tuple] = {}
-    if loss_of is None:  # eager only: the hook is not part of what is compiled
+    eager = loss_of is None
+    if eager:  # eager only: the hook is not part of what is compiled
         hook = model.layers[0].feed_forward.register_forward_hook(
             lambda module, args, output: seen.update(
                 w1=layout(module.w1.weight), w2=layout(module.w2.weight)))
@@ -221,7 +222,7 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    if loss_of is None:
+    if eager:
         hook.remove()
     return {
         "compute_weights": seen,
