@@ -81,7 +81,9 @@ def shut_down_process_group() -> None:
 # so settings torch reads from the environment at import time (Inductor's and Dynamo's
 # config) are the server's. A call whose environment differs from the server's in
 # anything but the variables read at run time spawns its ranks instead; every rank
-# starts with the caller's environment either way.
+# starts with the caller's environment either way. So does a call whose standard output
+# or error is no longer the file the server inherited (a redirected or captured stdout):
+# a forked rank writes to the server's.
 _PRELOADED_MODULES = ["torch", "torch.distributed", "fsdp_traceable"]
 _READ_AT_RUN_TIME = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST"})
 _NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST"})
@@ -94,13 +96,29 @@ class _RankStarter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._server_env: dict[str, str] | None = None
+        self._server_std_files: tuple | None = None
+
+    @staticmethod
+    def _std_files() -> tuple:
+        """Which files standard output and error are (device, inode), as forked ranks
+        would inherit them from the server."""
+        files = []
+        for fd in (1, 2):
+            try:
+                stat = os.fstat(fd)
+                files.append((stat.st_dev, stat.st_ino))
+            except OSError:
+                files.append(None)
+        return tuple(files)
 
     def start_method(self, passes_env: bool) -> str:
         """``"forkserver"`` where the preloaded server can start the ranks, else
         ``"spawn"`` (another fork server already runs in this process, or the
-        environment changed since ours started). ``passes_env``: the ranks set the
-        caller's environment themselves, so variables read at run time may differ."""
+        environment or the standard output/error changed since ours started).
+        ``passes_env``: the ranks set the caller's environment themselves, so
+        variables read at run time may differ."""
         env = dict(os.environ)
+        std_files = self._std_files()
         with self._lock:
             server = multiprocessing.forkserver._forkserver
             if self._server_env is None:
@@ -109,6 +127,9 @@ class _RankStarter:
                 server.set_forkserver_preload(_PRELOADED_MODULES)
                 server.ensure_running()
                 self._server_env = env
+                self._server_std_files = std_files
+            if std_files != self._server_std_files:
+                return "spawn"
             ignored = _READ_AT_RUN_TIME if passes_env else _NOT_INHERITED
             same = all(env.get(k) == self._server_env.get(k)
                        for k in env.keys() | self._server_env.keys() if k not in ignored)

@@ -1,5 +1,6 @@
 """How local ranks start: forked from the preloaded server while the caller's
-environment matches it, spawned otherwise, with the caller's environment either way."""
+environment and standard output match it, spawned otherwise, with the caller's
+environment either way."""
 
 from __future__ import annotations
 
@@ -30,3 +31,13 @@ def test_ranks_fork_from_the_server_and_spawn_when_the_environment_changed(
     (spawned_parent, probe, _), = run_on_local_ranks(_parent_and_env, 1)
     assert spawned_parent == os.getpid()
     assert probe == "1"
+
+
+def _print_rank(rank: int, world_size: int) -> None:
+    print(f"rank {rank} of {world_size} speaking")
+
+
+def test_rank_output_reaches_the_callers_stdout(capfd):
+    """A forked rank writes to the server's stdout: a captured stdout spawns instead."""
+    run_on_local_ranks(_print_rank, 1)
+    assert "rank 0 of 1 speaking" in capfd.readouterr().out
