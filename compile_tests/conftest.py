@@ -3,6 +3,7 @@
 from tests.conftest import (  # noqa: F401
     fake_mesh,
     fake_world,
-    fresh_inductor_cache,
+    inductor_cache,
     one_gloo_rank,
+    run_inductor_cache_dir,
 )

@@ -37,9 +37,9 @@ _FALLBACK_CALL = re.compile(r"^\s*[^\s#].*\b(aten\.|extern_kernels\.)")
 
 
 @pytest.fixture
-def fresh_compile(fresh_inductor_cache) -> Iterator[None]:
-    """An empty Inductor cache and reset Dynamo state: kernel counts must come from
-    this compile, not from code cached by an earlier test or run."""
+def fresh_compile(inductor_cache) -> Iterator[None]:
+    """Graph caches off and Dynamo state reset: kernel counts must come from this
+    compile's code, not from code cached by an earlier test or run."""
     torch._dynamo.reset()
     counters.clear()
     yield

@@ -3,7 +3,7 @@ the order of copies, collectives, overlapping compute and waits, and how many ke
 copy into and out of each collective, with Inductor's defaults and with
 :func:`fsdp_traceable.inductor_options` (AOTAutograd's backward and compiled autograd).
 
-One Inductor compile per configuration (module-scoped, each with its own empty cache),
+One Inductor compile per configuration (module-scoped; graph caches off, kernels shared),
 single process on the fake process group. Kernels are attributed to a collective by
 the buffers they touch (:func:`fsdp_traceable.inductor_code.collective_copies`).
 """
@@ -23,16 +23,16 @@ from fsdp_traceable.collectives.inductor_options import inductor_options
 from fsdp_traceable.inspect.inductor_code import CollectiveCopies, collective_copies
 from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.fake_world import fake_process_group
+from tests.conftest import kernel_cache_only
 
 pytestmark = pytest.mark.slow
 
 
 
-def _compile_train_step(tmp_dir, options: dict, compiled_autograd: bool = False) -> tuple[str, str]:
+def _compile_train_step(cache_dir, options: dict, compiled_autograd: bool = False) -> tuple[str, str]:
     """Inductor's forward and backward code for one train step of the model."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_dir))
-        with fake_process_group(2), torch._inductor.config.patch(force_disable_caches=True):
+    with kernel_cache_only(cache_dir):
+        with fake_process_group(2):
             loss_fn = torch.compile(make_model().loss, fullgraph=True, options=options)
             backward_context = (
                 torch._dynamo.compiled_autograd._enable(torch.compile(options=options))
@@ -50,28 +50,28 @@ def _compile_train_step(tmp_dir, options: dict, compiled_autograd: bool = False)
 
 
 @pytest.fixture(scope="module")
-def default_code(tmp_path_factory) -> tuple[str, str]:
-    return _compile_train_step(tmp_path_factory.mktemp("inductor_default"), {})
+def default_code(run_inductor_cache_dir) -> tuple[str, str]:
+    return _compile_train_step(run_inductor_cache_dir, {})
 
 
 @pytest.fixture(scope="module")
-def grouped_code(tmp_path_factory) -> tuple[str, str]:
+def grouped_code(run_inductor_cache_dir) -> tuple[str, str]:
     return _compile_train_step(
-        tmp_path_factory.mktemp("inductor_grouped"), inductor_options(overlap=False)
+        run_inductor_cache_dir, inductor_options(overlap=False)
     )
 
 
 @pytest.fixture(scope="module")
-def grouped_compiled_autograd_code(tmp_path_factory) -> tuple[str, str]:
+def grouped_compiled_autograd_code(run_inductor_cache_dir) -> tuple[str, str]:
     return _compile_train_step(
-        tmp_path_factory.mktemp("inductor_grouped_ca"), inductor_options(overlap=False),
+        run_inductor_cache_dir, inductor_options(overlap=False),
         compiled_autograd=True,
     )
 
 
 @pytest.fixture(scope="module")
-def options_code(tmp_path_factory) -> tuple[str, str]:
-    return _compile_train_step(tmp_path_factory.mktemp("inductor_options"), inductor_options())
+def options_code(run_inductor_cache_dir) -> tuple[str, str]:
+    return _compile_train_step(run_inductor_cache_dir, inductor_options())
 
 
 def _by_kind(copies: list[CollectiveCopies], kind: str) -> list[CollectiveCopies]:

@@ -1,6 +1,6 @@
 """Fixtures shared by ``tests/`` and ``compile_tests/``: a fake process group for
-single-process graph tests, a fake mesh, collectives that fail if reached, and a
-fresh Inductor cache.
+single-process graph tests, a fake mesh, collectives that fail if reached, and this
+run's Inductor cache.
 
 Real multi-rank tests spawn gloo processes with
 :func:`fsdp_traceable.testing.local_ranks.run_on_local_ranks`.
@@ -8,16 +8,29 @@ Real multi-rank tests spawn gloo processes with
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_traceable.collectives import comm
 from fsdp_traceable.testing.fake_world import fake_process_group
+
+# [Note: one Inductor compile thread in the suite]
+# With more than one compile thread, every process that compiles with Inductor starts a
+# compile-worker sidecar (a Python process importing torch) and its worker pool. The
+# suite runs two test workers, each driving rank processes, on two cores: the cores are
+# busy already, so the pools add process start-up and nothing else. The environment
+# variable reaches rank processes and CLI subprocesses; the config is this process's.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 @pytest.fixture
@@ -49,14 +62,38 @@ def fake_mesh() -> Iterator[DeviceMesh]:
         yield init_device_mesh("cpu", (2,))
 
 
-@pytest.fixture
-def fresh_inductor_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An empty ``TORCHINDUCTOR_CACHE_DIR`` and Inductor's caches off: the on-disk
-    cache ignores custom decompositions and could serve stale kernels."""
-    cache_dir = tmp_path / "inductor_cache"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
-    with torch._inductor.config.patch(force_disable_caches=True):
+@pytest.fixture(scope="session", autouse=True)
+def run_inductor_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This run's Inductor cache directory (one per test worker, empty at the start): the
+    cache of every compile in the run, each rank process's in a ``rank<r>`` folder of it
+    (:func:`~fsdp_traceable.testing.local_ranks.run_on_local_ranks`)."""
+    cache_dir = tmp_path_factory.mktemp("inductor_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
         yield cache_dir
+
+
+@contextlib.contextmanager
+def kernel_cache_only(cache_dir: Path) -> Iterator[Path]:
+    """Inductor with ``cache_dir`` as its cache and the graph-level caches off.
+
+    Every graph is lowered and its code generated anew (the FX-graph and AOTAutograd
+    caches key on the graph before our ops' decompositions, so a hit could serve code
+    of another decomposition), while compiled kernels are reused across tests: they are
+    keyed by their source, so a hit is the same kernel.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            yield cache_dir
+
+
+@pytest.fixture
+def inductor_cache(run_inductor_cache_dir: Path) -> Iterator[Path]:
+    """:func:`kernel_cache_only` on this run's cache directory."""
+    with kernel_cache_only(run_inductor_cache_dir):
+        yield run_inductor_cache_dir
 
 
 def _fail_collective(*args: object, **kwargs: object) -> None:

@@ -282,11 +282,11 @@ def test_simulated_reduce_scatter_gives_fsdp2_sharded_grads(world_size, orig_dty
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 @pytest.mark.parametrize("world_size", (1, 3, 4))
-def test_compiled_copy_out_is_the_eager_copy_out(world_size, mode, backend, tmp_path, monkeypatch) -> None:
+@pytest.mark.usefixtures("inductor_cache")
+def test_compiled_copy_out_is_the_eager_copy_out(world_size, mode, backend) -> None:
     # Compiled, a one-dtype Shard(0) bucket is copied out by one cat into one buffer
     # (the parameters are views of it); eager by split_with_sizes_copy. Same bits,
     # -0.0, NaN payloads and infinities included, and same shapes and strides.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     orig_dtypes, param_dtypes, ag_dtype = mode_dtypes(mode, len(DIM0_SIZES))
     infos = bucket_infos(DIM0_SIZES, [0] * len(DIM0_SIZES), world_size, 0, orig_dtypes, param_dtypes)
     numel = world_size * sum(i.padded_sharded_numel for i in infos)
@@ -299,9 +299,8 @@ def test_compiled_copy_out_is_the_eager_copy_out(world_size, mode, backend, tmp_
         gathered.view(bits)[4] = nan_bits
     args = copy_out_args(infos)
     torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        compiled = torch.compile(lambda t: ops.all_gather_copy_out(t, *args), backend=backend,
-                                 fullgraph=True)(gathered)
+    compiled = torch.compile(lambda t: ops.all_gather_copy_out(t, *args), backend=backend,
+                             fullgraph=True)(gathered)
     eager = ops.all_gather_copy_out(gathered, *args)
     assert len(compiled) == len(eager)
     for got, want in zip(compiled, eager):

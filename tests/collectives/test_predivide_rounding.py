@@ -46,7 +46,7 @@ def predivide_factor() -> float:
 
 
 @pytest.mark.slow
-def test_compiled_with_inductor_options_is_eager_bit_for_bit(predivide_factor, fresh_inductor_cache):
+def test_compiled_with_inductor_options_is_eager_bit_for_bit(predivide_factor, inductor_cache):
     grads = _grads()
     eager = _copy_in(grads, predivide_factor)
     options = fsdp_traceable.inductor_options()
@@ -57,7 +57,7 @@ def test_compiled_with_inductor_options_is_eager_bit_for_bit(predivide_factor, f
 
 
 @pytest.mark.slow
-def test_inductor_defaults_differ_only_at_the_stated_edges(predivide_factor, fresh_inductor_cache):
+def test_inductor_defaults_differ_only_at_the_stated_edges(predivide_factor, inductor_cache):
     grads = _grads()
     eager = _copy_in(grads, predivide_factor)
     compiled = torch.compile(_copy_in, fullgraph=True)(grads, predivide_factor)

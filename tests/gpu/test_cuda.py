@@ -180,7 +180,7 @@ def test_pinned_cpu_offload_matches_fsdp2(built_on: str):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
 
 
-def test_compiled_copies_are_one_tile_kernel_each(fresh_inductor_cache):
+def test_compiled_copies_are_one_tile_kernel_each(inductor_cache):
     """Under ``torch.compile`` with ``"auto"``, each copy of a bucket is one call of its
     Triton op in Inductor's output code, no Inductor kernel touches the copies, and a
     call launches exactly one tile kernel per copy (two pack, one unpack)."""

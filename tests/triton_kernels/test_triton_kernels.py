@@ -339,7 +339,7 @@ def test_traced_ops_specialize_symbolic_sizes():
     assert all(isinstance(d, int) for t in symbolic for d in t.shape)
 
 
-@pytest.mark.usefixtures("tiles", "fresh_inductor_cache")
+@pytest.mark.usefixtures("tiles", "inductor_cache")
 def test_inductor_calls_each_op_once_with_the_eager_bits():
     """Compiled by Inductor (CPU tensors: the op runs the interpreted kernel), each
     copy is one call of its op in the output code, with the eager bits."""
