@@ -15,9 +15,11 @@ class EagerState:
     the parameters' versions when it was issued (a changed parameter voids it).
     ``unsharded_for_backward``: the parameters re-gathered for backward, kept until
     backward ends (or until the next forward with ``reshard_after_backward=False``).
-    ``forward_unsharded``: a group that keeps its forward parameters for backward
-    (no reshard after forward) and will not reshard after backward: what forward
-    gathered, to keep after backward as FSDP2 does.
+    ``forward_unsharded``: a trainable group that keeps its forward parameters for
+    backward (no reshard after forward): what forward gathered, with the parameters'
+    versions then. As in FSDP2 the group stays unsharded until a backward reshards it:
+    later forwards use them (unless a parameter changed since), and a backward with
+    ``reshard_after_backward=False`` keeps them for the next forward.
     ``accumulated_unsharded_grads``: no-sync microbatches' gradients, by parameter
     index, in the reduce dtype.
     ``partial_reduce_output``: HSDP with ``set_requires_all_reduce(False)``: the
@@ -33,6 +35,7 @@ class EagerState:
         self.prefetched_versions: list[tuple[int, int]] = []
         self.unsharded_for_backward: list[torch.Tensor] | None = None
         self.forward_unsharded: tuple[torch.Tensor, ...] | None = None
+        self.forward_unsharded_versions: list[tuple[int, int]] = []
         self.accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
         self.partial_reduce_output: torch.Tensor | None = None
         self.post_forward: KeptPiece | None = None

@@ -114,8 +114,10 @@ def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, 
                 child.prefetch()
         if group.reshard_after_forward:
             group.root_state.saved_unsharded.register(group, list(unsharded))
-        elif not group.reshard_after_backward and torch.is_grad_enabled():
-            group.eager.forward_unsharded = tuple(unsharded)
+        elif torch.is_grad_enabled() and group.has_trainable_params:
+            # Its backward (reduce_grads) reshards them, or keeps them for the next
+            # forward; until then forwards reuse them, as FSDP2's unsharded group.
+            group.keep_forward_unsharded(unsharded)
     return args, kwargs, ForwardScope(unsharded, _enter_hooks(group, traced))
 
 

@@ -33,6 +33,7 @@ from .setting_checks import (
     check_bool,
     check_comm,
     check_no_custom_comm,
+    check_no_sync_eager,
     fsdp2_comms,
     prefetch_all,
 )
@@ -118,7 +119,15 @@ class FSDPModule(TorchFSDPModule):
         Args:
             requires_gradient_sync: ``False`` for all but the last microbatch.
             recurse: apply to every ``fully_shard``-ed submodule too.
+
+        Raises:
+            NotImplementedError: ``False`` while a module of a group was compiled by
+                itself (``module.compile()``): its compiled backward reduce-scatters on
+                every backward and cannot keep unsharded gradients.
         """
+        check_bool("requires_gradient_sync", requires_gradient_sync)
+        if not requires_gradient_sync:
+            check_no_sync_eager(self._groups(recurse))
         self._set_group_flag("requires_gradient_sync", requires_gradient_sync, recurse,
                              also=("requires_all_reduce",))
 

@@ -24,6 +24,7 @@ from .arguments import (
 )
 from .fsdp_module import FSDPModule, fsdp_class, swap_class
 from .param_group import ParamGroup
+from .pipeline_state import register_state
 from .root_state import RootState
 from .tensor_parallel import data_parallel_mesh
 from .unsharded_binding import owner_class
@@ -149,6 +150,7 @@ def fully_shard(
         swap_class(m, fsdp_class(type(m), tuple(owner_names.get(id(m), (None, []))[1])))
         m._fsdp_group = group
         m._fsdp_next_groups = []
+        register_state(m)  # for torch's pipeline stages: see [Note: pipeline schedules]
     group.modules = list(modules)
     if len(modules) == 1:
         _link_groups(modules[0])

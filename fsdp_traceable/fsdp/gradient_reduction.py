@@ -35,6 +35,27 @@ def reduce_grads(
         return _reduce_grads(group, unsharded_grads, accumulated)
 
 
+def post_backward(group: ParamGroup) -> None:
+    """Eager, outside a backward pass: FSDP2's ``FSDPParamGroup.post_backward()``, which
+    torch's pipeline stages call after their microbatches' no-sync backwards (see
+    [Note: pipeline schedules]).
+
+    With gradient sync on, the gradients accumulated so far are reduce-scattered (the
+    model's reduce queue finishes them); with ``reshard_after_backward``, the
+    parameters kept for backward are freed. A group with nothing accumulated reduces
+    nothing, so a second call is a no-op.
+
+    Args:
+        group: the parameter group.
+    """
+    if group.eager.accumulated_unsharded_grads is not None and group.requires_gradient_sync:
+        with phase("post_backward", group.name):
+            _reduce_grads(group, (None,) * len(group.sharded_params), None)
+    if group.reshard_after_backward:
+        group.eager.unsharded_for_backward = None
+        group.eager.forward_unsharded = None
+
+
 def _reduce_grads(
     group: ParamGroup,
     unsharded_grads: tuple[torch.Tensor | None, ...],

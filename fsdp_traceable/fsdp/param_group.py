@@ -314,6 +314,13 @@ class ParamGroup:
             # Kept by a backward with reshard_after_backward=False: like FSDP2, the
             # next forward uses them whatever the flag says now.
             return self.eager.unsharded_for_backward
+        if self.eager.forward_unsharded is not None:
+            if self.eager.forward_unsharded_versions == self._local_versions():
+                # Gathered by an earlier forward of this group, which does not reshard
+                # after forward, and not resharded by a backward since: like FSDP2,
+                # still unsharded.
+                return [t.detach() for t in self.eager.forward_unsharded]
+            self.eager.forward_unsharded = None
         pending = self._take_prefetched()
         if pending is None:
             pending = self.start_all_gather()
@@ -323,6 +330,24 @@ class ParamGroup:
             # it is taken now, while the all-gather output is alive.
             self.eager.keep_post_forward(self.post_forward.keep(pending), self._local_versions())
         return unsharded
+
+    @property
+    def has_trainable_params(self) -> bool:
+        """Whether a backward can reach this group's gradient reduction."""
+        return any(p.requires_grad for p in self.sharded_params)
+
+    def keep_forward_unsharded(self, unsharded: list[torch.Tensor] | tuple[torch.Tensor, ...]
+                               ) -> None:
+        """Eager: keeps what a forward that does not reshard gathered, until a backward
+        (or :meth:`drop_unsharded`) reshards it (see ``EagerState.forward_unsharded``).
+
+        Kept detached, and handed out as fresh aliases: a kept tensor that carried its
+        autograd node would tie the group to that node's context (which holds the
+        group), a cycle through autograd that Python's collector cannot free when no
+        backward comes.
+        """
+        self.eager.forward_unsharded = tuple(t.detach() for t in unsharded)
+        self.eager.forward_unsharded_versions = self._local_versions()
 
     # -- backward ----------------------------------------------------------------
 

@@ -40,7 +40,12 @@ class ReduceQueue:
             on_finished: called with its result once it is finished.
         """
         task = torch._C._current_graph_task_id()
-        if task != self._flushing_task:
+        if task == -1:
+            # Outside a backward pass (FullyShardState's post_backward, called by a
+            # pipeline stage): no end of backward finishes it; the stage's final
+            # callback (finish_all) does.
+            self._flushing_task = -1
+        elif task != self._flushing_task:
             # A new backward pass. Reductions left by one of this model's that raised
             # before its end are finished first: every rank started them.
             self.finish_all()

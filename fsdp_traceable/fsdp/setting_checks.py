@@ -64,3 +64,24 @@ def prefetch_all(groups: list[ParamGroup]) -> Callable[[], None]:
             group.prefetch()
 
     return prefetch
+
+
+def check_no_sync_eager(groups: list[ParamGroup]) -> None:
+    """Raises ``NotImplementedError`` if a group's module was compiled by itself
+    (``module.compile()``, as per-block compile does): its compiled backward was traced
+    with gradient sync on and reduce-scatters on every backward, so
+    ``set_requires_gradient_sync(False)`` (which torch's pipeline schedules call before
+    every microbatch's backward) would otherwise be ignored without a word."""
+    if torch.compiler.is_compiling():
+        return
+    for group in groups:
+        if group.compiled_on_its_own():
+            raise NotImplementedError(
+                f"set_requires_gradient_sync(False) with the module of group {group.name!r} "
+                f"(parameters {group.fqns[:3]}) compiled by itself (module.compile()): its "
+                "compiled backward reduce-scatters on every backward and cannot keep "
+                "unsharded gradients. Run these modules eagerly while accumulating "
+                "without sync (pipeline schedules do for every microbatch), or compile "
+                "a function around the model's last microbatch instead (docs/api.md, "
+                "the no-sync workaround)"
+            )

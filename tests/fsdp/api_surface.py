@@ -66,7 +66,8 @@ DIFFERENCES = {
                                  "copied into the input buffer `allocate` returns",
     "set_unshard_in_backward": "our backward all-gathers only what it reads; `False` on a "
                                "module whose backward reads its parameters raises",
-    "set_requires_gradient_sync": "`False` raises under a compiled backward (run no-sync "
+    "set_requires_gradient_sync": "`False` raises under a compiled backward, or while a "
+                                  "module below was compiled by itself (run no-sync "
                                   "microbatches eagerly)",
 }
 
