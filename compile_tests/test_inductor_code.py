@@ -23,7 +23,7 @@ from fsdp_traceable.collectives.inductor_options import inductor_options
 from fsdp_traceable.inspect.inductor_code import CollectiveCopies, collective_copies
 from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.fake_world import fake_process_group
-from tests.conftest import kernel_cache_only
+from tests.fixtures import kernel_cache_only
 
 pytestmark = pytest.mark.slow
 

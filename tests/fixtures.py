@@ -1,6 +1,7 @@
-"""Fixtures shared by ``tests/`` and ``compile_tests/``: a fake process group for
-single-process graph tests, a fake mesh, collectives that fail if reached, and this
-run's Inductor cache.
+"""Fixtures shared by ``tests/`` and ``compile_tests/`` (the root ``conftest.py``
+registers them once for the run): a fake process group for single-process graph tests,
+a fake mesh, collectives that fail if reached, this run's Inductor cache and the server
+local ranks fork from.
 
 Real multi-rank tests spawn gloo processes with
 :func:`fsdp_traceable.testing.local_ranks.run_on_local_ranks`.
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_traceable.collectives import comm
 from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.testing.local_ranks import local_rank_context
 
 # [Note: one Inductor compile thread in the suite]
 # With more than one compile thread, every process that compiles with Inductor starts a
@@ -71,6 +73,15 @@ def run_inductor_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
         yield cache_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_server(run_inductor_cache_dir: Path) -> None:
+    """Starts the preloaded fork server local ranks come from, once per test worker and
+    before any test captures its own output: the server's standard output and error
+    are then the run's, and every later rank of the run forks from it (a server started
+    inside a ``capfd`` test would make every other test's ranks spawn)."""
+    local_rank_context()
 
 
 @contextlib.contextmanager

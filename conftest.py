@@ -1,0 +1,3 @@
+"""The fixtures of ``tests/`` and ``compile_tests/``, one set for the whole run."""
+
+pytest_plugins = ["tests.fixtures"]
