@@ -139,7 +139,7 @@ def fully_shard(
     for index, ((_, _, owners), sharded) in enumerate(zip(owned, group.sharded_params)):
         for owner, name in owners:
             owner._parameters[name] = sharded
-            group.bind(owner, name, index)
+            group.add_holder(owner, name, index)
             owner_names.setdefault(id(owner), (owner, []))[1].append(name)
     roots = {id(m) for m in modules}
     for owner, names in owner_names.values():

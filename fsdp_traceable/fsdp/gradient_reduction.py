@@ -38,6 +38,9 @@ def gradients_to_reduce(
         The trainable parameters' gradients (zeros for unused ones with
         ``reduce_scatter_unused_params``), with ``accumulated`` added; in the reduce
         dtype when accumulating.
+
+    Raises:
+        NotImplementedError: a traced backward without gradient sync.
     """
     # As in FSDP2, only parameters that received a gradient are reduced; the others
     # keep .grad None (which is what AdamW and weight decay expect).
@@ -56,6 +59,14 @@ def gradients_to_reduce(
     if accumulated is not None:
         for i, earlier in accumulated.items():
             grads[i] = grads[i] + earlier if i in grads else earlier
+    if not group.requires_gradient_sync and comm.use_traced_path():
+        raise NotImplementedError(
+            "set_requires_gradient_sync(False) keeps unsharded gradients across "
+            "backward calls, which a compiled backward cannot hold; accumulate "
+            "with gradient sync on, or run the no-sync microbatches' backward "
+            "eagerly (loss.backward() outside compiled_autograd._enable) and only "
+            "the last microbatch, with set_requires_gradient_sync(True), compiled"
+        )
     return grads
 
 

@@ -434,14 +434,6 @@ class ParamGroup(ShardedGroup):
         grads = gradients_to_reduce(self, unsharded_grads, accumulated)
         sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
         if not self.requires_gradient_sync:
-            if comm.use_traced_path():
-                raise NotImplementedError(
-                    "set_requires_gradient_sync(False) keeps unsharded gradients across "
-                    "backward calls, which a compiled backward cannot hold; accumulate "
-                    "with gradient sync on, or run the no-sync microbatches' backward "
-                    "eagerly (loss.backward() outside compiled_autograd._enable) and only "
-                    "the last microbatch, with set_requires_gradient_sync(True), compiled"
-                )
             self._eager.keep_accumulated_grads(grads)
             return sharded_grads
         if not grads:

@@ -205,7 +205,7 @@ class ShardedGroup:
         return [t if layout is None else layout.unsharded(t)
                 for t, layout in zip(unsharded, self.tp_layouts)]
 
-    def bind(self, owner: nn.Module, name: str, index: int) -> None:
+    def add_holder(self, owner: nn.Module, name: str, index: int) -> None:
         """Records that ``owner.<name>`` is parameter ``index`` of this group."""
         self.bindings.append((owner, name, index))
         if self.first_holders[index] is None:

@@ -22,6 +22,19 @@ def shard_info(
     shard_dim: int,
     offload_to_cpu: bool,
 ) -> ShardInfo:
+    """One parameter's shard layout on ``mesh``'s shard dim.
+
+    Args:
+        fqn: the parameter's name, for errors.
+        param: the parameter (a TP parameter: a DTensor, sharded as its local tensor).
+        mesh: the group's 1-D or 2-D (HSDP) mesh.
+        mp_policy: the group's mixed-precision policy.
+        shard_dim: the dim to shard.
+        offload_to_cpu: whether the shards live on CPU.
+
+    Returns:
+        The parameter's ``ShardInfo``.
+    """
     # A TP parameter's FSDP shards are of its local tensor (see [Note: TP parameters]).
     shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
     try:
@@ -43,6 +56,20 @@ def sharded_param(
     pin_memory: bool,
     tp_layout: TensorParallelLayout | None,
 ) -> nn.Parameter:
+    """The sharded ``nn.Parameter(DTensor)`` for ``param``, laid out as FSDP2 lays it out.
+
+    Args:
+        param: the unsharded parameter.
+        info: its shard layout (from :func:`shard_info`).
+        mesh: the group's mesh.
+        is_hsdp: whether ``mesh`` is 2-D (replicate, shard).
+        device: where the shard lives.
+        pin_memory: pin a CPU shard.
+        tp_layout: a TP parameter's layout (see [Note: TP parameters]), else ``None``.
+
+    Returns:
+        The sharded parameter, with ``param``'s ``requires_grad``.
+    """
     data = param._local_tensor if isinstance(param, DTensor) else param
     local = shard_tensor(data.detach().to(device), info)
     if pin_memory and device.type == "cpu":
