@@ -87,7 +87,7 @@ def test_one_block_graph_for_any_depth(fake_world: None) -> None:
         assert [frame.name for frame in record.frames] == ["forward"]
         assert record.graph_breaks.count == 0, record.graph_breaks.reasons
         # The eager root does not prefetch for the compiled blocks, which gather themselves.
-        assert all(block._fsdp_group.eager.prefetched is None for block in model.layers)
+        assert all(not block._fsdp_group.has_prefetch for block in model.layers)
 
 
 def _region_calls(gm: torch.fx.GraphModule) -> list[str]:

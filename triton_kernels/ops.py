@@ -80,17 +80,8 @@ def _(shards, padded_numels, dtype):
 
 def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int],
                        dtype: torch.dtype) -> torch.Tensor:
-    """Packs shards into the flat all-gather input (cast to ``dtype``, zero-padded to
-    ``padded_numels``), like ``torch.ops.fsdp_traceable.all_gather_copy_in``.
-
-    Args:
-        shards: this rank's shards, on one device.
-        padded_numels: each shard's padded numel in the flat input.
-        dtype: the all-gather dtype; ``torch.uint8`` packs a mixed-dtype bucket as bytes.
-
-    Returns:
-        The flat all-gather input, ``sum(padded_numels)`` elements (bytes for uint8).
-    """
+    """The copy contract's ``all_gather_copy_in`` (``fsdp_traceable.collectives.copy_contract``):
+    one tile kernel, traced as one opaque op."""
     if is_tracing(shards[:1]):  # a traced call's tensors are all traced
         return _copy_in_op(shards, padded_numels, dtype)
     return _copy_in(shards, padded_numels, dtype)
@@ -99,14 +90,8 @@ def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int],
 def all_gather_copy_in_into(
     shards: list[torch.Tensor], padded_numels: list[int], out: torch.Tensor
 ) -> None:
-    """Eager-only: :func:`all_gather_copy_in` written into ``out`` (e.g. this rank's
-    slice of the all-gather output), like ``fsdp_traceable.collectives.ops.all_gather_copy_in_into``.
-
-    Args:
-        shards: this rank's shards, on one device.
-        padded_numels: each shard's padded numel in the flat input.
-        out: a contiguous 1-D tensor of the all-gather dtype and the input's numel.
-    """
+    """The copy contract's ``all_gather_copy_in_into`` (eager only): the tile kernel
+    writes into ``out``; the aten copy-in when no plan fits."""
     plan = plans.gather_plan(shards, padded_numels, out.dtype)
     if plan is None or not out.is_contiguous() or out.numel() != plan[1].row_numel:
         out.copy_(torch.ops.fsdp_traceable.all_gather_copy_in(shards, padded_numels, out.dtype))
@@ -150,19 +135,8 @@ def reduce_scatter_copy_in(
     reduce_dtype: torch.dtype,
     predivide_factor: Optional[float],
 ) -> torch.Tensor:
-    """Lays gradients out as ``torch._chunk_cat(dim0_grads, 0, world_size)``, cast to
-    ``reduce_dtype`` and pre-divided, like ``torch.ops.fsdp_traceable.reduce_scatter_copy_in``.
-
-    Args:
-        grads: unsharded gradients, on one device.
-        world_size: number of ranks.
-        shard_dims: each gradient's shard dim.
-        reduce_dtype: the reduce-scatter dtype.
-        predivide_factor: divide by this after the cast (``None``: no divide).
-
-    Returns:
-        The flat reduce-scatter input of ``reduce_dtype``.
-    """
+    """The copy contract's ``reduce_scatter_copy_in``: one tile kernel (cast and
+    pre-divide fused), traced as one opaque op."""
     if is_tracing(grads[:1]):  # a traced call's tensors are all traced
         return _reduce_scatter_copy_in_op(grads, world_size, shard_dims, reduce_dtype,
                                           predivide_factor)

@@ -1,7 +1,9 @@
 """Who implements the copies around the collectives: one table, ``config.copy_kernels``.
 
-Every backend offers the same four functions with the arguments and bits of the
-``torch.ops.fsdp_traceable`` ops, so callers use whichever :func:`backend_for` picks:
+Every backend implements :class:`~.copy_contract.CopyOps` (the four copies, with the
+arguments and bits of the ``torch.ops.fsdp_traceable`` ops), so callers use whichever
+:func:`backend_for` picks; this module's own four functions are that choice made per
+call, and implement the contract too:
 
 * ``"auto"`` (default): the fastest measured backend for the device and the copy
   (:data:`AUTO_TRACED_GPU` and :func:`auto_backend`): on a GPU with Triton, the
@@ -36,6 +38,7 @@ from .. import config
 from ..tracing import is_tracing
 from . import foreach_copies
 from . import ops as aten_ops
+from .copy_contract import CopyOps
 
 _TRITON_DEVICES = ("cuda", "xpu")
 
@@ -44,10 +47,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CopyBackend:
-    """One implementation of the copies; each function has its op's signature.
+    """One implementation of :class:`~.copy_contract.CopyOps`: each function field is
+    the protocol's method of that name.
 
     ``serves(tensors)`` says whether it can run on these tensors right now (device,
-    tracing); ``all_gather_copy_in_into`` is eager-only and writes into ``out``.
+    tracing).
     """
 
     name: str
@@ -58,8 +62,8 @@ class CopyBackend:
     reduce_scatter_copy_in: Callable[..., torch.Tensor]
 
 
-def _aten_copy_out(output, world_size, global_sizes_flat, ndims, shard_dims, dtypes):
-    return aten_ops.call("all_gather_copy_out", output, world_size, list(global_sizes_flat),
+def _aten_copy_out(all_gather_output, world_size, global_sizes_flat, ndims, shard_dims, dtypes):
+    return aten_ops.call("all_gather_copy_out", all_gather_output, world_size, list(global_sizes_flat),
                          list(ndims), list(shard_dims), list(dtypes))
 
 
@@ -70,9 +74,9 @@ ATEN = CopyBackend(
         "all_gather_copy_in", list(shards), list(padded_numels), dtype),
     all_gather_copy_in_into=aten_ops.all_gather_copy_in_into,
     all_gather_copy_out=_aten_copy_out,
-    reduce_scatter_copy_in=lambda grads, world_size, shard_dims, reduce_dtype, predivide: (
+    reduce_scatter_copy_in=lambda grads, world_size, shard_dims, reduce_dtype, predivide_factor: (
         aten_ops.call("reduce_scatter_copy_in", list(grads), world_size, list(shard_dims),
-                      reduce_dtype, predivide)),
+                      reduce_dtype, predivide_factor)),
 )
 
 FOREACH = CopyBackend(
@@ -111,17 +115,18 @@ def _triton_copy_in_into(shards, padded_numels, out):
     _triton_module().all_gather_copy_in_into(list(shards), list(padded_numels), out)
 
 
-def _triton_copy_out(output, world_size, global_sizes_flat, ndims, shard_dims, dtypes):
+def _triton_copy_out(all_gather_output, world_size, global_sizes_flat, ndims, shard_dims,
+                     dtypes):
     kernels = _triton_module()
     sizes, dims = list(global_sizes_flat), list(ndims)
     flat = kernels.all_gather_copy_out(
-        output, world_size, sizes, dims, list(shard_dims), [d.itemsize for d in dtypes])
+        all_gather_output, world_size, sizes, dims, list(shard_dims), [d.itemsize for d in dtypes])
     return kernels.unsharded_views(flat, sizes, dims, list(dtypes))
 
 
-def _triton_reduce_scatter_copy_in(grads, world_size, shard_dims, reduce_dtype, predivide):
+def _triton_reduce_scatter_copy_in(grads, world_size, shard_dims, reduce_dtype, predivide_factor):
     return _triton_module().reduce_scatter_copy_in(
-        list(grads), world_size, list(shard_dims), reduce_dtype, predivide)
+        list(grads), world_size, list(shard_dims), reduce_dtype, predivide_factor)
 
 
 TRITON = CopyBackend(
@@ -135,6 +140,9 @@ TRITON = CopyBackend(
 
 COPY_BACKENDS: dict[str, CopyBackend] = {b.name: b for b in (ATEN, TRITON, FOREACH)}
 COPY_KERNELS = ("auto", *COPY_BACKENDS)
+# Each backend, and foreach_copies itself, implements the contract (for type checkers;
+# tests/collectives/test_copy_contract.py checks the signatures).
+_IMPLEMENTATIONS: tuple[CopyOps, ...] = (ATEN, TRITON, FOREACH, foreach_copies)
 
 # "auto" on a GPU with Triton: the tile kernels for every copy, eager and under
 # torch.compile (where each copy is one opaque op launching the same kernel). The last
@@ -210,16 +218,7 @@ def _log_choice(copy: str, mode: str, picked: str, chosen: str, device: str,
 def all_gather_copy_in(
     shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """``torch.ops.fsdp_traceable.all_gather_copy_in`` by ``config.copy_kernels``.
-
-    Args:
-        shards: this rank's shards, on one device.
-        padded_numels: each shard's padded numel in the flat input.
-        dtype: the all-gather dtype (``torch.uint8`` for a mixed-dtype bucket).
-
-    Returns:
-        The flat all-gather input.
-    """
+    """:meth:`CopyOps.all_gather_copy_in`, by the backend ``config.copy_kernels`` picks."""
     backend = backend_for(shards, "all_gather_copy_in", len(shards))
     return backend.all_gather_copy_in(shards, padded_numels, dtype)
 
@@ -227,14 +226,7 @@ def all_gather_copy_in(
 def all_gather_copy_in_into(
     shards: Sequence[torch.Tensor], padded_numels: Sequence[int], out: torch.Tensor
 ) -> None:
-    """Eager-only: the copy-in written into ``out`` (e.g. this rank's slice of the
-    all-gather output), by ``config.copy_kernels``.
-
-    Args:
-        shards: this rank's shards, on one device.
-        padded_numels: each shard's padded numel in the flat input.
-        out: a contiguous 1-D tensor of the all-gather dtype and the input's numel.
-    """
+    """:meth:`CopyOps.all_gather_copy_in_into`, by the backend ``config.copy_kernels`` picks."""
     backend = backend_for(shards, "all_gather_copy_in", len(shards))
     backend.all_gather_copy_in_into(shards, padded_numels, out)
 
@@ -247,19 +239,7 @@ def all_gather_copy_out(
     shard_dims: Sequence[int],
     dtypes: Sequence[torch.dtype],
 ) -> list[torch.Tensor]:
-    """``torch.ops.fsdp_traceable.all_gather_copy_out`` by ``config.copy_kernels``.
-
-    Args:
-        all_gather_output: the ``[world_size * numel]`` all-gather output.
-        world_size: number of ranks.
-        global_sizes_flat: the unsharded sizes, flattened.
-        ndims: each parameter's number of dims.
-        shard_dims: each parameter's shard dim.
-        dtypes: each parameter's dtype.
-
-    Returns:
-        One unsharded, contiguous tensor per parameter.
-    """
+    """:meth:`CopyOps.all_gather_copy_out`, by the backend ``config.copy_kernels`` picks."""
     backend = backend_for([all_gather_output], "all_gather_copy_out", len(ndims))
     return backend.all_gather_copy_out(
         all_gather_output, world_size, global_sizes_flat, ndims, shard_dims, dtypes)
@@ -272,18 +252,7 @@ def reduce_scatter_copy_in(
     reduce_dtype: torch.dtype,
     predivide_factor: float | None,
 ) -> torch.Tensor:
-    """``torch.ops.fsdp_traceable.reduce_scatter_copy_in`` by ``config.copy_kernels``.
-
-    Args:
-        grads: unsharded gradients, on one device.
-        world_size: number of ranks.
-        shard_dims: each gradient's shard dim.
-        reduce_dtype: the reduce-scatter dtype.
-        predivide_factor: divide by this after the cast (``None``: no divide).
-
-    Returns:
-        The flat reduce-scatter input.
-    """
+    """:meth:`CopyOps.reduce_scatter_copy_in`, by the backend ``config.copy_kernels`` picks."""
     backend = backend_for(grads, "reduce_scatter_copy_in", len(grads))
     return backend.reduce_scatter_copy_in(
         grads, world_size, shard_dims, reduce_dtype, predivide_factor)

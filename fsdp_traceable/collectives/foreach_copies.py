@@ -1,7 +1,7 @@
 """Eager copy-in / copy-out into preallocated buffers with foreach kernels, as FSDP2 does.
 
-Drop-in, bitwise-equal replacements for ``torch.ops.fsdp_traceable.all_gather_copy_in``,
-``all_gather_copy_out`` and ``reduce_scatter_copy_in``: one output buffer per call,
+An implementation of :class:`~.copy_contract.CopyOps`, bitwise equal to the
+``torch.ops.fsdp_traceable`` ops: one output buffer per call,
 filled by ``torch._foreach_copy_``, ``torch.split_with_sizes_copy`` and
 ``torch._chunk_cat(..., out=)`` (a few multi-tensor kernels instead of one per
 parameter). Eager only: they write into ``out=`` buffers, which is what the
@@ -22,16 +22,7 @@ from .ops import copy_out_layout, nonempty_chunks_to_dim0
 def all_gather_copy_in(
     shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """Same as ``torch.ops.fsdp_traceable.all_gather_copy_in``.
-
-    Args:
-        shards: this rank's shards, on one device.
-        padded_numels: each shard's padded numel in the flat input.
-        dtype: the all-gather dtype; ``torch.uint8`` packs a mixed-dtype bucket as bytes.
-
-    Returns:
-        The flat all-gather input (padding zeroed).
-    """
+    """:meth:`CopyOps.all_gather_copy_in`: ``_foreach_copy_`` into one buffer."""
     flats, sizes = _flat_inputs(shards, padded_numels, dtype)
     out = torch.empty(sum(sizes), dtype=dtype, device=shards[0].device)
     _copy_in(flats, sizes, out)
@@ -41,8 +32,7 @@ def all_gather_copy_in(
 def all_gather_copy_in_into(
     shards: Sequence[torch.Tensor], padded_numels: Sequence[int], out: torch.Tensor
 ) -> None:
-    """Same as ``fsdp_traceable.collectives.ops.all_gather_copy_in_into``: the copy-in written into
-    ``out`` (a 1-D tensor of the all-gather dtype and the input's numel)."""
+    """:meth:`CopyOps.all_gather_copy_in_into`: ``_foreach_copy_`` into ``out``."""
     flats, sizes = _flat_inputs(shards, padded_numels, out.dtype)
     if out.dim() != 1 or out.numel() != sum(sizes):
         raise ValueError(
@@ -88,21 +78,9 @@ def all_gather_copy_out(
     shard_dims: Sequence[int],
     dtypes: Sequence[torch.dtype],
 ) -> list[torch.Tensor]:
-    """Same as ``torch.ops.fsdp_traceable.all_gather_copy_out``; the ``Shard(0)``
-    outputs are views into one buffer (padded per parameter, as FSDP2's), the
-    ``Shard(d > 0)`` ones fresh tensors.
-
-    Args:
-        all_gather_output: the ``[world_size * numel]`` all-gather output.
-        world_size: number of ranks.
-        global_sizes_flat: the unsharded sizes, flattened.
-        ndims: each parameter's number of dims.
-        shard_dims: each parameter's shard dim.
-        dtypes: each parameter's dtype (read for a ``uint8`` output).
-
-    Returns:
-        One unsharded, contiguous tensor per parameter.
-    """
+    """:meth:`CopyOps.all_gather_copy_out`: one ``split_with_sizes_copy``; the
+    ``Shard(0)`` outputs are views into one buffer (padded per parameter, as FSDP2's),
+    the ``Shard(d > 0)`` ones fresh tensors."""
     as_bytes = all_gather_output.dtype == torch.uint8
     global_sizes, padded_sizes, split_sizes = copy_out_layout(
         world_size, global_sizes_flat, ndims, shard_dims, dtypes, as_bytes
@@ -139,20 +117,8 @@ def reduce_scatter_copy_in(
     reduce_dtype: torch.dtype,
     predivide_factor: float | None,
 ) -> torch.Tensor:
-    """Same as ``torch.ops.fsdp_traceable.reduce_scatter_copy_in``: one
-    ``torch._chunk_cat`` into a ``reduce_dtype`` buffer (casting on the way), then an
-    in-place pre-divide.
-
-    Args:
-        grads: unsharded gradients, on one device.
-        world_size: number of ranks.
-        shard_dims: each gradient's shard dim.
-        reduce_dtype: the reduce-scatter dtype.
-        predivide_factor: divide by this after the cast (``None``: no divide).
-
-    Returns:
-        The flat reduce-scatter input.
-    """
+    """:meth:`CopyOps.reduce_scatter_copy_in`: one ``torch._chunk_cat`` into a
+    ``reduce_dtype`` buffer (casting on the way), then an in-place pre-divide."""
     dim0_grads = nonempty_chunks_to_dim0(grads, world_size, shard_dims)
     if not dim0_grads:
         return grads[0].new_zeros(0, dtype=reduce_dtype)

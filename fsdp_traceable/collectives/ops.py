@@ -100,21 +100,15 @@ def nonempty_chunks_to_dim0(
 def _all_gather_copy_in(
     shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """Packs this rank's shards into one flat all-gather input of ``dtype``.
-
-    Each shard is flattened, cast to ``dtype`` (or, when ``dtype`` is ``uint8`` for a
-    bucket of mixed dtypes, reinterpreted as bytes) and zero-padded to
-    ``padded_numels[i]`` elements of its own dtype.
-    """
+    """:meth:`~.copy_contract.CopyOps.all_gather_copy_in`: one ``cat``."""
     return torch.cat(_copy_in_pieces(shards, padded_numels, dtype))
 
 
 def all_gather_copy_in_into(
     shards: Sequence[torch.Tensor], padded_numels: Sequence[int], out: torch.Tensor
 ) -> None:
-    """Eager-only: the copy-in written into ``out`` (this rank's slice of the
-    all-gather output, as FSDP2 does), so no separate input buffer is allocated.
-    Same pieces, same bits as ``all_gather_copy_in``."""
+    """:meth:`~.copy_contract.CopyOps.all_gather_copy_in_into`: the same pieces, one
+    ``cat(out=)``."""
     torch.cat(_copy_in_pieces(shards, padded_numels, out.dtype), out=out)
 
 
@@ -148,12 +142,7 @@ def _all_gather_copy_out(
     shard_dims: list[int],
     dtypes: list[torch.dtype],
 ) -> list[torch.Tensor]:
-    """Unpacks the ``[world_size * numel]`` all-gather output into unsharded tensors.
-
-    ``Shard(0)`` parameters are the rank chunks stacked with the dim-0 padding
-    stripped; ``Shard(d > 0)`` parameters are the rank chunks concatenated along
-    ``d``. A ``uint8`` output carries a mixed-dtype bucket as bytes.
-    """
+    """:meth:`~.copy_contract.CopyOps.all_gather_copy_out` in plain aten ops."""
     dtypes = as_dtypes(dtypes)
     as_bytes = all_gather_output.dtype == torch.uint8
     global_sizes, padded_sizes, split_sizes = copy_out_layout(
@@ -237,12 +226,8 @@ def _reduce_scatter_copy_in(
     reduce_dtype: torch.dtype,
     predivide_factor: float | None,
 ) -> torch.Tensor:
-    """Lays unsharded gradients out as the flat reduce-scatter input.
-
-    Rank ``r``'s contiguous slice holds, per parameter, rank ``r``'s (dim-0 padded)
-    chunk. ``Shard(d > 0)`` gradients have their ``d``-chunks moved to dim 0 first.
-    The cast to ``reduce_dtype`` and the pre-divide are fused into the copy.
-    """
+    """:meth:`~.copy_contract.CopyOps.reduce_scatter_copy_in`: ``_chunk_cat``, then the
+    cast and the pre-divide (fused into the copy under Inductor)."""
     dim0_grads = nonempty_chunks_to_dim0(grads, world_size, shard_dims)
     if not dim0_grads:
         return grads[0].new_zeros(0, dtype=reduce_dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -13,8 +15,9 @@ from torch.utils.checkpoint import (
 
 from .. import _torch_patches
 from ..collectives import comm
-from .gradient_reduction import reduce_grads
-from .param_group import ParamGroup
+
+if TYPE_CHECKING:
+    from .param_group import ParamGroup
 
 # See [Note: torch patches]: the sharded gradients a compiled backward returns are
 # wrapped back into DTensors in a frame Dynamo must not compile on its own, and the
@@ -75,7 +78,8 @@ class UnshardParams(torch.autograd.Function):
     backward adds before reducing; outputs the unsharded parameters. A traced backward
     returns the sharded gradients, which autograd accumulates into the parameters'
     ``.grad`` through those inputs; an eager one returns none and the reduction writes
-    ``.grad`` once its reduce-scatter completes (see ``reduce_queue``).
+    ``.grad`` once its reduce-scatter completes (see ``reduce_queue``). Both run the
+    group's own life cycle: ``ParamGroup.all_gather`` forward, ``post_backward`` backward.
     """
 
     @staticmethod
@@ -95,7 +99,7 @@ class UnshardParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         accumulated = dict(zip(ctx.accumulated_indices, ctx.saved_tensors))
-        sharded_grads = reduce_grads(ctx.group, unsharded_grads, accumulated)
+        sharded_grads = ctx.group.post_backward(unsharded_grads, accumulated)
         return (None, None, *sharded_grads, *[None] * len(accumulated))
 
 
@@ -160,8 +164,8 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
     """
     if not group.infos:  # e.g. a root whose parameters all live in sharded blocks
         return ()
-    if group.post_forward is not None and comm.use_traced_path():
-        size = group.post_forward.group_size
+    if group.post_forward_mesh is not None and comm.use_traced_path():
+        size = group.post_forward_mesh.group_size
         raise NotImplementedError(
             f"reshard_after_forward={size} (keep 1/{size} of the parameters between "
             "forward and backward) runs eagerly only: a compiled graph re-gathers from "
@@ -182,7 +186,7 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
         # Gradients of eager no-sync microbatches join this compiled backward as inputs:
         # a traced backward may not take them from the group's state (Dynamo refuses
         # mutating Python objects there), the traced forward may.
-        accumulated = group.eager.take_accumulated_grads() or {}
+        accumulated = group.take_accumulated_grads() or {}
     indices = tuple(sorted(accumulated))
     inputs = (*sharded_locals, *(accumulated[i] for i in indices))
     if recompute_in_backward:

@@ -1,11 +1,17 @@
-"""What one parameter group carries between eager calls; tracing never touches it."""
+"""What one parameter group carries between eager calls; tracing never changes it.
+
+Its fields are private: the group's life cycle (:class:`~.param_group.ParamGroup`)
+moves them through the methods below, one per transition.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from .all_gather_extensions import PendingUnshard
-from .post_forward import KeptPiece
+from .post_forward_mesh import KeptPiece
+
+Versions = list[tuple[int, int]]
 
 
 class EagerState:
@@ -20,53 +26,130 @@ class EagerState:
     versions then. As in FSDP2 the group stays unsharded until a backward reshards it:
     later forwards use them (unless a parameter changed since), and a backward with
     ``reshard_after_backward=False`` keeps them for the next forward.
-    ``accumulated_unsharded_grads``: no-sync microbatches' gradients, by parameter
-    index, in the reduce dtype.
+    ``accumulated_grads``: no-sync microbatches' gradients, by parameter index, in the
+    reduce dtype.
     ``partial_reduce_output``: HSDP with ``set_requires_all_reduce(False)``: the
     reduce-scatter outputs summed so far, all-reduced by the next backward that
     all-reduces.
-    ``post_forward``: with ``reshard_after_forward=N``, this rank's piece of the last
+    ``kept_piece``: with ``reshard_after_forward=N``, this rank's piece of the last
     forward all-gather's output and the parameters' versions then (the next
     all-gather re-gathers from it unless a parameter changed since).
     """
 
     def __init__(self) -> None:
-        self.prefetched: PendingUnshard | None = None
-        self.prefetched_versions: list[tuple[int, int]] = []
-        self.unsharded_for_backward: list[torch.Tensor] | None = None
-        self.forward_unsharded: tuple[torch.Tensor, ...] | None = None
-        self.forward_unsharded_versions: list[tuple[int, int]] = []
-        self.accumulated_unsharded_grads: dict[int, torch.Tensor] | None = None
-        self.partial_reduce_output: torch.Tensor | None = None
-        self.post_forward: KeptPiece | None = None
-        self.post_forward_versions: list[tuple[int, int]] = []
+        self.reset()
 
-    def prefetch(self, result: PendingUnshard, versions: list[tuple[int, int]]) -> None:
-        self.prefetched, self.prefetched_versions = result, versions
+    def reset(self) -> None:
+        """Forgets everything (the group's parameters were re-created). In place: a
+        reduction in flight keeps writing to this object."""
+        self._prefetched: PendingUnshard | None = None
+        self._prefetched_versions: Versions = []
+        self._unsharded_for_backward: list[torch.Tensor] | None = None
+        self._forward_unsharded: tuple[torch.Tensor, ...] | None = None
+        self._forward_unsharded_versions: Versions = []
+        self._accumulated_grads: dict[int, torch.Tensor] | None = None
+        self._partial_reduce_output: torch.Tensor | None = None
+        self._kept_piece: KeptPiece | None = None
+        self._kept_piece_versions: Versions = []
 
-    def take_prefetched(self) -> tuple[PendingUnshard | None, list[tuple[int, int]]]:
+    # -- prefetch ---------------------------------------------------------------------
+
+    @property
+    def prefetched(self) -> PendingUnshard | None:
+        """The all-gather issued ahead, if one is in flight."""
+        return self._prefetched
+
+    def keep_prefetched(self, result: PendingUnshard, versions: Versions) -> None:
+        self._prefetched, self._prefetched_versions = result, versions
+
+    def take_prefetched(self) -> tuple[PendingUnshard | None, Versions]:
         """The prefetched all-gather and its versions; clears it."""
-        result, self.prefetched = self.prefetched, None
-        return result, self.prefetched_versions
+        result, self._prefetched = self._prefetched, None
+        return result, self._prefetched_versions
 
-    def keep_post_forward(self, piece: KeptPiece, versions: list[tuple[int, int]]) -> None:
-        self.post_forward, self.post_forward_versions = piece, versions
+    # -- reshard_after_forward=N --------------------------------------------------------
 
-    def take_post_forward(self) -> tuple[KeptPiece | None, list[tuple[int, int]]]:
+    def keep_piece(self, piece: KeptPiece, versions: Versions) -> None:
+        self._kept_piece, self._kept_piece_versions = piece, versions
+
+    def take_piece(self) -> tuple[KeptPiece | None, Versions]:
         """The kept post-forward piece and its versions; clears it."""
-        piece, self.post_forward = self.post_forward, None
-        return piece, self.post_forward_versions
+        piece, self._kept_piece = self._kept_piece, None
+        return piece, self._kept_piece_versions
+
+    # -- unsharded parameters kept for (or after) backward --------------------------------
+
+    @property
+    def unsharded_for_backward(self) -> list[torch.Tensor] | None:
+        """The parameters gathered for backward (or kept after it), if held."""
+        return self._unsharded_for_backward
+
+    def keep_for_backward(self, unsharded: list[torch.Tensor]) -> None:
+        self._unsharded_for_backward = unsharded
+
+    def drop_for_backward(self) -> None:
+        self._unsharded_for_backward = None
+
+    def keep_forward_unsharded(self, unsharded: tuple[torch.Tensor, ...], versions: Versions
+                               ) -> None:
+        """Forward's parameters (detached), held until a backward reshards them or keeps
+        them for the next forward. Detached: a kept tensor that carried its autograd
+        node would tie the group to that node's context (which holds the group), a
+        cycle through autograd that Python's collector cannot free when no backward
+        comes."""
+        self._forward_unsharded = tuple(t.detach() for t in unsharded)
+        self._forward_unsharded_versions = versions
+
+    def forward_unsharded(self, versions: Versions) -> list[torch.Tensor] | None:
+        """Fresh aliases of forward's held parameters if no parameter changed since
+        (``versions``: the parameters' versions now); drops them if one did."""
+        if self._forward_unsharded is None:
+            return None
+        if self._forward_unsharded_versions != versions:
+            self._forward_unsharded = None
+            return None
+        return [t.detach() for t in self._forward_unsharded]
+
+    def end_backward(self, reshard_after_backward: bool) -> None:
+        """A backward's end: drops its parameters when resharding, otherwise holds
+        forward's for the next forward. Mutates nothing while a backward is traced,
+        where every field is None (Dynamo refuses side effects there)."""
+        if reshard_after_backward and self._unsharded_for_backward is not None:
+            self._unsharded_for_backward = None
+        if self._forward_unsharded is not None:
+            if not reshard_after_backward and self._unsharded_for_backward is None:
+                self._unsharded_for_backward = list(self._forward_unsharded)
+            self._forward_unsharded = None
+
+    def drop_unsharded(self) -> None:
+        """Drops every unsharded parameter held (the prefetched all-gather apart)."""
+        self._unsharded_for_backward = None
+        self._forward_unsharded = None
+        self.take_piece()
+
+    # -- gradient accumulation --------------------------------------------------------------
+
+    def keep_partial_reduce_output(self, partial: torch.Tensor | None) -> None:
+        self._partial_reduce_output = partial
 
     def take_partial_reduce_output(self) -> torch.Tensor | None:
         """The HSDP reduce-scatter outputs accumulated so far; clears them."""
-        partial = self.partial_reduce_output
+        partial = self._partial_reduce_output
         if partial is not None:  # no mutation while a backward is traced
-            self.partial_reduce_output = None
+            self._partial_reduce_output = None
         return partial
+
+    def keep_accumulated_grads(self, grads: dict[int, torch.Tensor] | None) -> None:
+        self._accumulated_grads = grads
+
+    @property
+    def has_accumulated_grads(self) -> bool:
+        """Whether no-sync microbatches left gradients to reduce."""
+        return self._accumulated_grads is not None
 
     def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None:
         """The no-sync gradients accumulated so far; clears them."""
-        accumulated = self.accumulated_unsharded_grads
+        accumulated = self._accumulated_grads
         if accumulated is not None:  # no mutation while a backward is traced
-            self.accumulated_unsharded_grads = None
+            self._accumulated_grads = None
         return accumulated

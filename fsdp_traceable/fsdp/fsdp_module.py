@@ -1,10 +1,9 @@
 """``FSDPModule``: every method a ``fully_shard``-ed module gains, and the class swap
 that lets a module read its unsharded parameters during forward.
 
-The setters change plain attributes of the parameter groups, which the forward and
-backward read (so a compiled graph guards on them and recompiles once when one
-changes). The forward itself is :mod:`.forward_pass`; the setters' argument checks
-are :mod:`.setting_checks`.
+The setters change the parameter groups' settings through ``ParamGroup.configure``
+(see [Note: group settings]); everything else calls the group's life-cycle methods
+(:mod:`.param_group`). The setters' argument checks are :mod:`.setting_checks`.
 """
 
 from __future__ import annotations
@@ -19,15 +18,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
 from typing_extensions import deprecated
 
-from ..collectives import comm
-from .autograd_bridge import unshard_params
-from .forward_pass import (
-    ForwardHooks,
-    abort_forward,
-    post_forward,
-    pre_forward,
-    release_shared,
-)
+from .forward_hooks import ForwardHooks
 from .param_group import ParamGroup
 from .setting_checks import (
     check_bool,
@@ -37,7 +28,7 @@ from .setting_checks import (
     fsdp2_comms,
     prefetch_all,
 )
-from .unsharded_binding import bind_unsharded, is_bound, param_property, unbind_unsharded
+from .unsharded_binding import param_property
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -84,32 +75,19 @@ class FSDPModule(TorchFSDPModule):
         """
         check_bool("async_op", async_op)
         group = self._fsdp_group
-        handle = _UnshardHandle(group)
-        if group.explicit_unsharded is not None or is_bound(group):
-            handle = _UnshardHandle(None)
-        elif async_op and not comm.use_traced_path():
-            group.prefetch()
-        else:
-            handle.wait()
-        return handle if async_op else None
+        in_flight = group.unshard(async_op)
+        return _UnshardHandle(group if in_flight else None) if async_op else None
 
     def reshard(self) -> None:
         """Frees the unsharded parameters of this module's group (not recursive)."""
-        group = self._fsdp_group
-        if group.explicit_unsharded is not None:
-            group.explicit_unsharded = None
-            unbind_unsharded(group)
-        group.drop_unsharded()
+        self._fsdp_group.reshard()
 
     def reset_iter_state(self) -> None:
         """Reshards every group under this module and forgets partial forward/no-sync state."""
         for module in self.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-                group = module._fsdp_group
-                if group.shared_unsharded is not None:
-                    release_shared(group)
-                group.eager.accumulated_unsharded_grads = None
+                module._fsdp_group.reset_iter_state()
 
     # -- per-group flags ----------------------------------------------------------------
 
@@ -204,7 +182,7 @@ class FSDPModule(TorchFSDPModule):
             enable: ``True`` for sum-only collectives and explicit divides.
         """
         check_bool("enable", enable)
-        self._fsdp_group.force_sum_reduction = enable
+        self._fsdp_group.configure(force_sum_reduction=enable)
 
     # -- gradient reduction -------------------------------------------------------------
 
@@ -222,7 +200,7 @@ class FSDPModule(TorchFSDPModule):
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"factor must be a positive number, got {factor!r}")
-        self._fsdp_group.gradient_divide_factor = float(factor)
+        self._fsdp_group.configure(gradient_divide_factor=float(factor))
 
     @deprecated("Use `set_gradient_divide_factor` instead")
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -250,8 +228,7 @@ class FSDPModule(TorchFSDPModule):
         group = self._fsdp_group
         if stream is not None and group.is_hsdp:
             raise ValueError("stream cannot be set when using native HSDP")
-        group.all_reduce_hook = hook
-        group.all_reduce_hook_stream = stream
+        group.configure(all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     # -- prefetching and streams ----------------------------------------------------------
 
@@ -265,7 +242,7 @@ class FSDPModule(TorchFSDPModule):
             modules: ``fully_shard``-ed modules, typically the next one or two blocks.
         """
         self._fsdp_next_groups = [m._fsdp_group for m in _check_fsdp_modules(modules)]
-        self._fsdp_group.explicit_forward_prefetch = bool(modules)
+        self._fsdp_group.configure(explicit_forward_prefetch=bool(modules))
         _log_prefetch("forward", self._fsdp_group, self._fsdp_next_groups)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -279,8 +256,8 @@ class FSDPModule(TorchFSDPModule):
         """
         groups = [m._fsdp_group for m in _check_fsdp_modules(modules)]
         group = self._fsdp_group
-        group.prefetch_backward = prefetch_all(groups) if groups else None
-        group.explicit_backward_prefetch = bool(modules)
+        group.configure(prefetch_backward=prefetch_all(groups) if groups else None,
+                        explicit_backward_prefetch=bool(modules))
         _log_prefetch("backward", group, groups)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
@@ -308,7 +285,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             comm: an FSDP2 ``AllGather`` (``allocate`` and ``__call__``).
         """
-        self._fsdp_group.all_gather_comm = check_comm(comm, "comm")
+        self._fsdp_group.configure(all_gather_comm=check_comm(comm, "comm"))
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Eager: this module's reduce-scatters allocate their input and output with
@@ -320,7 +297,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             comm: an FSDP2 ``ReduceScatter`` (``allocate`` and ``__call__``).
         """
-        self._fsdp_group.reduce_scatter_comm = check_comm(comm, "comm")
+        self._fsdp_group.configure(reduce_scatter_comm=check_comm(comm, "comm"))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Eager, as FSDP2: this module's all-gather and reduce-scatter buffers come from the
@@ -339,8 +316,10 @@ class FSDPModule(TorchFSDPModule):
         check_no_custom_comm(groups, "set_allocate_memory_from_process_group_for_comm",
                              (all_gather_comm, reduce_scatter_comm))
         for group in groups:
-            group.all_gather_comm = all_gather_comm(group.shard_group) if enable else None
-            group.reduce_scatter_comm = reduce_scatter_comm(group.shard_group) if enable else None
+            group.configure(
+                all_gather_comm=all_gather_comm(group.shard_group) if enable else None,
+                reduce_scatter_comm=reduce_scatter_comm(group.shard_group) if enable else None,
+            )
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Eager, as FSDP2: this module's all-gather buffers (and, with sum-only comms, its
@@ -356,9 +335,9 @@ class FSDPModule(TorchFSDPModule):
         groups = self._groups(recurse=False)
         check_no_custom_comm(groups, "set_symm_mem_for_comm", (all_gather_comm, reduce_scatter_comm))
         for group in groups:
-            group.all_gather_comm = all_gather_comm(group.shard_group, backend)
+            group.configure(all_gather_comm=all_gather_comm(group.shard_group, backend))
             if group.force_sum_reduction:  # NCCL's symmetric reduce-scatter only sums
-                group.reduce_scatter_comm = reduce_scatter_comm(group.shard_group, backend)
+                group.configure(reduce_scatter_comm=reduce_scatter_comm(group.shard_group, backend))
 
     # -- torch's hooks into the module ----------------------------------------------------
 
@@ -374,13 +353,14 @@ class FSDPModule(TorchFSDPModule):
         return result
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs, scope = pre_forward(self, args, kwargs)
+        group = self._fsdp_group
+        args, kwargs, scope = group.pre_forward(self, args, kwargs)
         try:
             output = super().forward(*args, **kwargs)
         except BaseException:
-            abort_forward(self, scope)
+            group.abort_forward(scope)
             raise
-        return post_forward(self, scope, output)
+        return group.post_forward(self, scope, output)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -397,8 +377,7 @@ class FSDPModule(TorchFSDPModule):
         check_bool(name, value)
         groups = self._groups(recurse)
         for group in groups:
-            for attr in (name, *also):
-                setattr(group, attr, value)
+            group.configure(**dict.fromkeys((name, *also), value))
         if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
             log.debug("set %s=%s on groups %s", name, value, [g.name for g in groups])
 
@@ -446,11 +425,8 @@ class _UnshardHandle(UnshardHandle):
 
     def wait(self) -> None:
         group, self._group = self._group, None
-        if group is None or group.explicit_unsharded is not None or is_bound(group):
-            return
-        with torch.enable_grad():  # the forward that uses them may need their backward
-            group.explicit_unsharded = unshard_params(group, recompute_in_backward=False)
-        bind_unsharded(group, group.explicit_unsharded)
+        if group is not None:
+            group.wait_for_unshard()
 
 
 def fsdp_class(cls: type, names: tuple[str, ...]) -> type:

@@ -124,7 +124,7 @@ def fully_shard(
     owned = _managed_params(modules, ignored)
     _torch_patches.drop_mesh_hash_from_pickles()  # See [Note: torch patches]
     group = ParamGroup(
-        [(fqn, param) for fqn, param, _ in owned], mesh,
+        [(fqn, param) for fqn, param, _ in owned], mesh, modules=modules,
         reshard_after_forward=reshard, mp_policy=mp_policy,
         shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
         pin_memory=offload_to_cpu and offload_policy.pin_memory, spmd=spmd,
@@ -140,7 +140,7 @@ def fully_shard(
     for index, ((_, _, owners), sharded) in enumerate(zip(owned, group.sharded_params)):
         for owner, name in owners:
             owner._parameters[name] = sharded
-            group.bind(owner, name, index)
+            group.add_holder(owner, name, index)
             owner_names.setdefault(id(owner), (owner, []))[1].append(name)
     roots = {id(m) for m in modules}
     for owner, names in owner_names.values():
@@ -151,7 +151,6 @@ def fully_shard(
         m._fsdp_group = group
         m._fsdp_next_groups = []
         register_state(m)  # for torch's pipeline stages: see [Note: pipeline schedules]
-    group.modules = list(modules)
     if len(modules) == 1:
         _link_groups(modules[0])
     return module
@@ -262,20 +261,23 @@ def _link_groups(root: FSDPModule) -> None:
     named = [(path, m) for path, m in root.named_modules() if isinstance(m, FSDPModule)]
     fsdp_modules = [m for _, m in named]
     groups = list({id(m._fsdp_group): m._fsdp_group for m in fsdp_modules}.values())
+    names = {}
     for path, m in reversed(named):  # a group of several modules: named for its first
-        m._fsdp_group.name = path
+        names[id(m._fsdp_group)] = path
     position = {id(g): i for i, g in enumerate(groups)}
     for m in fsdp_modules:
         i = position[id(m._fsdp_group)]
         if not m._fsdp_group.explicit_forward_prefetch:
             m._fsdp_next_groups = groups[i + 1 : i + 2]
     root_state = RootState()
+    list_groups = [g for g in groups[1:] if len(g.modules) > 1]
     for i, group in enumerate(groups):
         # groups[0] is the root, which by default keeps its parameters unsharded
         # from forward through backward, so nothing prefetches it.
         previous = groups[i - 1] if i > 1 else None
-        group.set_root(i == 0, previous.prefetch if previous is not None else None, root_state)
-    groups[0].list_groups = [g for g in groups[1:] if len(g.modules) > 1]
+        group.link(name=names[id(group)], is_root=i == 0,
+                   prefetch_backward=previous.prefetch if previous is not None else None,
+                   root_state=root_state, list_groups=list_groups if i == 0 else [])
     if log.isEnabledFor(logging.DEBUG):
         _log_order(groups, fsdp_modules)
 

@@ -1,191 +1,92 @@
-"""One ``fully_shard`` call's parameters: sharding, unsharding and the state around them
-(gradient reduction is in :mod:`.gradient_reduction`)."""
+"""One ``fully_shard`` call's parameter group and its life cycle, as FSDP2's
+``FSDPParamGroup``: unshard, wait for the unshard, reshard, pre/post forward and
+pre/post backward.
+
+``FSDPModule`` calls these methods and nothing else of the group's runtime state,
+which is private here (what the group is, and its settings, are
+:class:`~.sharded_group.ShardedGroup`'s). A forward goes
+``FSDPModule.forward -> ParamGroup.pre_forward -> unshard_params -> collectives``;
+a backward ``UnshardParams.backward -> ParamGroup.post_backward -> collectives`` and,
+eager, on to the model's reduction queue, which writes ``.grad``.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..collectives import (
-    ShardInfo,
-    comm,
-    foreach_all_gather,
-    foreach_all_gather_copy_out,
-    make_shard_info,
-    shard_tensor,
-)
-from ..collectives.validation import check_bucket_bytes
+from ..collectives import comm, foreach_all_gather, foreach_all_gather_copy_out
+from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import phase
-from . import block_backward
-from .all_gather_extensions import (
-    AllGatherExtension,
-    PendingUnshard,
-    all_gather_inputs,
-    detect_extension,
-    unsharded_from_outputs,
-)
-from .arguments import shard_placement
+from .all_gather_extensions import PendingUnshard, all_gather_inputs, unsharded_from_outputs
+from .autograd_bridge import unshard_params
 from .eager_state import EagerState
-from .post_forward import PostForwardResharding
+from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
+from .gradient_reduction import gradients_to_reduce, start_reduce
+from .reduce_queue import GradientTarget
 from .root_state import RootState
-from .tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
-
-if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from .sharded_group import ShardedGroup
+from .sharded_params import pinned
+from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
 
 log = logging.getLogger(__name__)
 
 
-class ParamGroup:
-    """The sharded parameters of one ``fully_shard``-ed module and their collectives.
+class ParamGroup(ShardedGroup):
+    """A :class:`~.sharded_group.ShardedGroup` with its runtime state and life cycle.
 
-    Plain data read on every step (infos, process groups, flags), the modules that
-    hold the parameters, and, in eager mode only, an :class:`EagerState`. The module
-    API changes it only through its methods.
+    The runtime state: parameters gathered by :meth:`unshard` for the next forward,
+    a ``fully_shard([a, b])`` group's forward pass in progress (its parameters and the
+    modules still to run), and, in eager mode only, an :class:`EagerState`.
     """
 
-    def __init__(
-        self,
-        named_params: list[tuple[str, nn.Parameter]],
-        mesh: DeviceMesh,
-        *,
-        reshard_after_forward: bool | int | None,
-        mp_policy: MixedPrecisionPolicy,
-        shard_placement_fn: Callable[[nn.Parameter], object] | None,
-        offload_to_cpu: bool = False,
-        pin_memory: bool = False,
-        spmd: tuple[DeviceMesh, object] | None = None,
-    ) -> None:
-        # What profiler labels and debug logs call the group: its module's path under
-        # the root (set when the root links the groups; "" for the root).
-        self.name = ""
-        # Where the group communicates; with dp_mesh_dims, ``spmd`` is the full mesh the
-        # parameters are DTensors on and the DataParallelMeshDims naming ``mesh``'s dims.
-        self.mesh = mesh
-        self.spmd = spmd
-        self.device_type = mesh.device_type
-        self.is_hsdp = mesh.ndim == 2
-        self.shard_group = mesh.get_group(mesh.ndim - 1)
-        block_backward.register(self)
-        self.replicate_group = mesh.get_group(0) if self.is_hsdp else None
-        self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
-        self.device = _get_device_from_mesh(mesh)
-        # CPUOffloadPolicy: sharded parameters and gradients live on CPU; the shards
-        # are copied to the device before each all-gather.
-        self.offload_to_cpu = offload_to_cpu
-        self.pin_memory = pin_memory
-
-        # Policy: set at fully_shard time, changed by FSDPModule's setters.
-        self.mp_policy = mp_policy
-        # None: FSDP2's default, True except for the root group. An int N (between 1
-        # and the shard size) reshards to groups of N ranks after forward.
-        self._reshard_after_forward: bool | None = None
-        self.post_forward: PostForwardResharding | None = None
-        self.reshard_after_forward = reshard_after_forward
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        # Gradient reduction and prefetch settings (see FSDPModule's setters).
-        self.requires_all_reduce = True
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
-        self.reduce_scatter_unused_params = False
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.all_reduce_hook_stream: torch.Stream | None = None
-        self.unshard_in_backward = True
-        self.all_gather_comm: AllGather | None = None
-        self.reduce_scatter_comm: ReduceScatter | None = None
-        self.explicit_forward_prefetch = False
-        self.explicit_backward_prefetch = False
-        # The root group (set by link_groups) reshards after forward only when told to.
-        self.is_root = False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         # What the model shares between its groups (see [Note: per-model state]); the
         # group is its own model until the root's fully_shard links it.
-        self.root_state = RootState()
-
-        # The parameters: one ShardInfo and one sharded DTensor parameter each; TP
-        # parameters also a layout (see [Note: TP parameters]).
-        self.fqns = [fqn for fqn, _ in named_params]
-        self.infos: list[ShardInfo] = []
-        self.tp_layouts: list[TensorParallelLayout | None] = []
-        for fqn, param in named_params:
-            shard_dim = shard_placement(fqn, param, mesh, shard_placement_fn)
-            self.tp_layouts.append(self._tp_layout(fqn, param, shard_dim))
-            self.infos.append(_shard_info(fqn, param, mesh, mp_policy, shard_dim, offload_to_cpu))
-        check_bucket_bytes(self.infos, self.fqns)
-        self.sharded_params: list[nn.Parameter] = [
-            _sharded_param(param, info, mesh, self.is_hsdp, self._shard_device(param),
-                           pin_memory, layout)
-            for (_, param), info, layout in zip(named_params, self.infos, self.tp_layouts)
-        ]
-        self._has_tp_params = any(layout is not None for layout in self.tp_layouts)
-        # (module, attribute name, parameter index) for every module attribute that
-        # holds one of the parameters (a tied weight has several).
-        self.bindings: list[tuple[nn.Module, str, int]] = []
-        # Per parameter: the first module holding it (FSDP2 passes it to the pre hook).
-        self.first_holders: list[nn.Module | None] = [None] * len(self.sharded_params)
-        _ = self.extensions  # malformed hooks raise now, at fully_shard, as in FSDP2
-        # Unsharded parameters gathered by FSDPModule.unshard(), used (and released)
-        # by the group's next forward, or dropped by reshard().
-        self.explicit_unsharded: tuple[torch.Tensor, ...] | None = None
-        # The modules of the group (several for fully_shard([a, b])); for those, the
-        # unsharded parameters shared by the modules' forwards, and the modules whose
-        # forward has not run yet in this pass.
-        self.modules: list[nn.Module] = []
-        self.shared_unsharded: tuple[torch.Tensor, ...] | None = None
-        self.modules_to_run: set[int] = set()
+        self._root_state = RootState()
+        # Unsharded parameters gathered by unshard(), used (and released) by the
+        # group's next forward, or dropped by reshard().
+        self._explicit_unsharded: tuple[torch.Tensor, ...] | None = None
+        # fully_shard([a, b]): the unsharded parameters shared by the modules' forwards,
+        # and the modules whose forward has not run yet in this pass.
+        self._shared_unsharded: tuple[torch.Tensor, ...] | None = None
+        self._modules_to_run: set[int] = set()
         # On the root group: the fully_shard([a, b]) groups below it, whose forward
         # pass ends with the root's forward at the latest.
-        self.list_groups: list[ParamGroup] = []
-
+        self._list_groups: list[ParamGroup] = []
         # Eager-only state between calls (prefetch, parameters kept for backward,
-        # no-sync gradient accumulation) and the group backward prefetches.
-        self.eager = EagerState()
-        self.prefetch_backward: Callable[[], None] | None = None
+        # no-sync gradient accumulation).
+        self._eager = EagerState()
+
+    def link(self, *, name: str, is_root: bool, prefetch_backward: Callable[[], None] | None,
+             root_state: RootState, list_groups: list[ParamGroup]) -> None:
+        """Joins the model under the root (the root's ``fully_shard`` calls this on
+        every group under it).
+
+        Args:
+            name: the group's module path under the root (``""`` for the root).
+            is_root: whether this is the root group.
+            prefetch_backward: what the group's backward prefetches, unless set
+                explicitly already.
+            root_state: the model state the groups under the root share.
+            list_groups: on the root, the ``fully_shard([a, b])`` groups below it.
+        """
+        self.name = name
+        self.is_root = is_root
+        self._root_state = root_state
+        if not self.explicit_backward_prefetch:
+            self.prefetch_backward = prefetch_backward
+        self._list_groups = list_groups
 
     @property
-    def reshard_after_forward(self) -> bool:
-        """Whether backward re-gathers the parameters (by default, all but the root group)."""
-        if self._reshard_after_forward is None:
-            return not self.is_root
-        return self._reshard_after_forward
-
-    @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool | int | None) -> None:
-        if isinstance(value, bool) or value is None:
-            self._reshard_after_forward, self.post_forward = value, None
-        else:
-            self._reshard_after_forward = True
-            self.post_forward = PostForwardResharding(self.mesh, value)
-
-    def _tp_layout(self, fqn: str, param: nn.Parameter, shard_dim: int
-                   ) -> TensorParallelLayout | None:
-        """A TP parameter's layout, checked (see [Note: TP parameters]); None for others."""
-        if not isinstance(param, DTensor) and self.spmd is None:
-            return None
-        if self.post_forward is not None:
-            raise NotImplementedError(
-                f"reshard_after_forward={self.post_forward.group_size} with tensor-parallel "
-                f"parameter {fqn!r}: resharding DTensor parameters to a smaller mesh after "
-                "forward is not supported (nor by FSDP2); use reshard_after_forward=True "
-                "or False"
-            )
-        if self.spmd is not None:
-            return spmd_layout(fqn, param, *self.spmd, shard_dim)
-        return tensor_parallel_layout(fqn, param, self.mesh, shard_dim)
-
-    def _shard_device(self, param: nn.Parameter) -> torch.device:
-        """Where a sharded parameter lives: meta stays meta (FSDP2 materializes later)."""
-        if param.device.type == "meta":
-            return param.device
-        return torch.device("cpu") if self.offload_to_cpu else self.device
+    def has_prefetch(self) -> bool:
+        """Whether an eager all-gather issued ahead of its use is in flight."""
+        return self._eager.prefetched is not None
 
     def refresh_params(self) -> None:
         """Re-reads the sharded parameters from their modules (after ``module._apply``,
@@ -195,55 +96,248 @@ class ParamGroup:
             if self.pin_memory and not param._local_tensor.is_pinned():
                 # As FSDP2: shards materialized on the device (to_empty(device="cuda"))
                 # go back to host memory.
-                param._local_tensor = _pinned(param._local_tensor.cpu())
+                param._local_tensor = pinned(param._local_tensor.cpu())
             self.sharded_params[index] = param
         _ = self.extensions  # malformed hooks of the new local tensors raise now
-        self.eager = EagerState()
+        self._eager.reset()
+
+    # -- unshard, wait, reshard ------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> bool:
+        """All-gathers the parameters for the group's next forward (``FSDPModule.unshard``).
+
+        Args:
+            async_op: eager, only issue the all-gather (as a prefetch); the next
+                forward or :meth:`wait_for_unshard` finishes it.
+
+        Returns:
+            Whether :meth:`wait_for_unshard` still has to finish it.
+        """
+        if self._explicit_unsharded is not None or is_bound(self):
+            return False
+        if async_op and not comm.use_traced_path():
+            self.prefetch()
+            return True
+        self.wait_for_unshard()
+        return False
+
+    def wait_for_unshard(self) -> None:
+        """Finishes :meth:`unshard`: binds the unsharded parameters to the modules."""
+        if self._explicit_unsharded is not None or is_bound(self):
+            return
+        with torch.enable_grad():  # the forward that uses them may need their backward
+            self._explicit_unsharded = unshard_params(self, recompute_in_backward=False)
+        bind_unsharded(self, self._explicit_unsharded)
+
+    def reshard(self) -> None:
+        """Frees the unsharded parameters: those :meth:`unshard` gathered, a prefetched
+        all-gather, and (eager) parameters kept for or after backward."""
+        if self._explicit_unsharded is not None:
+            self._explicit_unsharded = None
+            unbind_unsharded(self)
+        with phase("reshard", self.name):
+            pending, _ = self._eager.take_prefetched()
+            if pending is not None:
+                # Complete the collective every rank joined.
+                foreach_all_gather_copy_out(pending.result)
+            self._eager.drop_unsharded()
+
+    def reset_iter_state(self) -> None:
+        """Ends a ``fully_shard([a, b])`` forward pass left open and forgets no-sync
+        gradients (after :meth:`reshard`)."""
+        if self._shared_unsharded is not None:
+            self._release_shared()
+        self._eager.keep_accumulated_grads(None)
+
+    # -- forward ------------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
+                    ) -> tuple[tuple, dict, ForwardScope]:
+        """Casts the inputs and binds the group's unsharded parameters to its modules.
+
+        The first forward of a pass gathers (or takes what :meth:`unshard` gathered); a
+        forward that runs while the parameters are bound (a registered forward method
+        calling ``forward``, or the second module of a ``fully_shard([a, b])`` group)
+        reuses them.
+
+        Args:
+            module: the group's module whose forward starts.
+            args: its positional arguments.
+            kwargs: its keyword arguments.
+
+        Returns:
+            The (cast) arguments and what :meth:`post_forward` releases.
+        """
+        with phase("pre_forward", self.name):
+            return self._pre_forward(module, args, kwargs)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
+                     ) -> tuple[tuple, dict, ForwardScope]:
+        traced = comm.use_traced_path()
+        args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
+        shared = len(self.modules) > 1
+        if self._explicit_unsharded is not None:
+            unsharded = self._explicit_unsharded
+            self._explicit_unsharded = None
+        elif shared and self._shared_unsharded is not None:
+            return args, kwargs, ForwardScope(None, self._enter_hooks(traced))
+        elif is_bound(self):
+            return args, kwargs, ForwardScope(None, None)
+        else:
+            reshard = self.reshard_after_forward and torch.is_grad_enabled()
+            unsharded = unshard_params(self, recompute_in_backward=reshard and traced)
+            bind_unsharded(self, unsharded)
+        if shared:
+            self._shared_unsharded = unsharded
+            self._modules_to_run = {id(m) for m in self.modules}
+        if not traced:
+            for child in module._fsdp_next_groups:
+                if child._explicit_unsharded is None:  # unshard() already gathered it
+                    child.prefetch()
+            if self.reshard_after_forward:
+                self._root_state.saved_unsharded.register(self, list(unsharded))
+            elif torch.is_grad_enabled() and self.has_trainable_params:
+                # Its backward reshards them, or keeps them for the next forward; until
+                # then forwards reuse them, as FSDP2's unsharded group.
+                self._eager.keep_forward_unsharded(tuple(unsharded), self._local_versions())
+        return args, kwargs, ForwardScope(unsharded, self._enter_hooks(traced))
+
+    def post_forward(self, module: nn.Module, scope: ForwardScope, output: Any) -> Any:
+        """Releases what :meth:`pre_forward` bound (per the group's pass) and casts the output.
+
+        Args:
+            module: the group's module whose forward ended.
+            scope: what its :meth:`pre_forward` returned.
+            output: its output.
+
+        Returns:
+            ``output``, cast to ``mp_policy.output_dtype`` if set.
+        """
+        with phase("post_forward", self.name):
+            return self._post_forward(module, scope, output)
+
+    def _post_forward(self, module: nn.Module, scope: ForwardScope, output: Any) -> Any:
+        if scope.hooks is not None:
+            scope.hooks.__exit__(None, None, None)
+        if len(self.modules) > 1:
+            self._modules_to_run.discard(id(module))
+            if not self._modules_to_run:
+                self._release_shared()
+        elif scope.unsharded is not None:
+            self._release(scope.unsharded)
+        if self.is_root and scope.unsharded is not None:
+            # FSDP2 ends the pass of groups whose modules did not all run at the root's end.
+            for other in self._list_groups:
+                if other._shared_unsharded is not None:
+                    other._release_shared()
+        if self.mp_policy.output_dtype is not None:
+            output = cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    def abort_forward(self, scope: ForwardScope) -> None:
+        """Unbinds after a forward that raised, so the next call starts clean."""
+        if scope.hooks is not None:
+            scope.hooks.__exit__(None, None, None)
+        if len(self.modules) > 1:
+            self._release_shared()
+        elif scope.unsharded is not None:
+            self._release(scope.unsharded)
+
+    def _release_shared(self) -> None:
+        """Ends a ``fully_shard([a, b])`` group's forward pass."""
+        unsharded, self._shared_unsharded = self._shared_unsharded, None
+        self._modules_to_run = set()
+        if unsharded is not None:
+            self._release(unsharded)
+
+    def _release(self, unsharded: tuple[torch.Tensor, ...]) -> None:
+        if comm.use_traced_path():
+            unbind_unsharded(self)
+            return
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("group %r after forward: %s", self.name,
+                      "reshard (backward re-gathers)" if self.reshard_after_forward
+                      else "keep the unsharded parameters for backward")
+        if not self.reshard_after_forward:
+            unbind_unsharded(self)
+            return
+        with phase("reshard", self.name):
+            self._root_state.saved_unsharded.unregister(list(unsharded))
+            # Parameters kept after a backward served this forward; like FSDP2, it
+            # reshards them now and backward gathers again.
+            self._eager.drop_for_backward()
+            unbind_unsharded(self)
+
+    def _enter_hooks(self, traced: bool) -> Any:
+        """Eager reshard-after-forward: autograd saves tokens for the unsharded parameters."""
+        if traced or not self.reshard_after_forward:
+            return None
+        hooks = self._root_state.saved_unsharded.hooks()
+        hooks.__enter__()
+        return hooks
+
+    # -- all-gather -----------------------------------------------------------------------
+
+    def prefetch(self) -> None:
+        """Eager: issues this group's all-gather now, to overlap the compute before it."""
+        if not self.sharded_params or self.compiled_on_its_own():
+            return
+        if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("prefetch: all-gather of group %r issued early", self.name)
+            self._eager.keep_prefetched(self.start_all_gather(), self._local_versions())
+
+    def compiled_on_its_own(self) -> bool:
+        """Whether a module of the group was compiled by itself (``module.compile()``, as
+        per-block compile does): its graph gathers the parameters, so an eager prefetch
+        from the module before it would never be used."""
+        return any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
+
+    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight.
+
+        Called by the group's autograd bridge (``UnshardParams``) with the sharded
+        local tensors it differentiates through.
+        """
+        if comm.use_traced_path():
+            return self.finish_all_gather(self._start_all_gather(list(sharded_locals), None))
+        if self._eager.unsharded_for_backward is not None:
+            # Kept by a backward with reshard_after_backward=False: like FSDP2, the
+            # next forward uses them whatever the flag says now.
+            return self._eager.unsharded_for_backward
+        kept = self._eager.forward_unsharded(self._local_versions())
+        if kept is not None:
+            # Gathered by an earlier forward of this group, which does not reshard after
+            # forward, and not resharded by a backward since: like FSDP2, still unsharded.
+            return kept
+        pending = self._take_prefetched()
+        if pending is None:
+            pending = self.start_all_gather()
+        unsharded = self.finish_all_gather(pending)
+        if self.post_forward_mesh is not None:
+            # FSDP2 keeps this piece from the forward's end until the next all-gather;
+            # it is taken now, while the all-gather output is alive.
+            self._eager.keep_piece(self.post_forward_mesh.keep(pending), self._local_versions())
+        return unsharded
 
     @property
-    def extensions(self) -> list[AllGatherExtension | None]:
-        """Per parameter: its all-gather hooks, as its local tensor has them now (looked
-        up at every all-gather, as FSDP2 does: hooks may be set after ``fully_shard``)."""
-        return [
-            detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy, holder)
-            for fqn, param, info, holder in zip(
-                self.fqns, self.sharded_params, self.infos, self.first_holders)
-        ]
+    def has_trainable_params(self) -> bool:
+        """Whether a backward can reach this group's gradient reduction."""
+        return any(p.requires_grad for p in self.sharded_params)
 
-    def compute_params(self, unsharded: list[torch.Tensor] | tuple[torch.Tensor, ...]
-                       ) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
-        """What forward computes with, from the all-gathered parameters: TP parameters
-        as DTensors on their TP mesh (see [Note: TP parameters]), the others as they are."""
-        if not self._has_tp_params:
-            return unsharded
-        return [t if layout is None else layout.unsharded(t)
-                for t, layout in zip(unsharded, self.tp_layouts)]
-
-    def bind(self, owner: nn.Module, name: str, index: int) -> None:
-        """Records that ``owner.<name>`` is parameter ``index`` of this group."""
-        self.bindings.append((owner, name, index))
-        if self.first_holders[index] is None:
-            self.first_holders[index] = owner
-
-    def set_root(self, is_root: bool, prefetch_backward: Callable[[], None] | None,
-                 root_state: RootState) -> None:
-        """Sets whether this is the root group, what its backward prefetches, and the
-        model state it shares with the other groups under the root."""
-        self.is_root = is_root
-        self.root_state = root_state
-        if not self.explicit_backward_prefetch:
-            self.prefetch_backward = prefetch_backward
-
-    # -- forward -----------------------------------------------------------------
+    def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None:
+        """Eager no-sync microbatches' gradients (by parameter index), for a compiled
+        forward to pass to its backward as inputs; clears them."""
+        return self._eager.take_accumulated_grads()
 
     def start_all_gather(self) -> PendingUnshard:
         """Starts the group's all-gather (eager), from the post-forward piece when one is
         kept; finish it with :meth:`finish_all_gather`."""
         with phase("all_gather", self.name):
-            kept, versions = self.eager.take_post_forward()
-            if (kept is not None and self.post_forward is not None
+            kept, versions = self._eager.take_piece()
+            if (kept is not None and self.post_forward_mesh is not None
                     and versions == self._local_versions()):
-                return self.post_forward.regather(kept, self.all_gather_comm)
+                return self.post_forward_mesh.regather(kept, self.all_gather_comm)
             return self._start_all_gather(
                 [p._local_tensor for p in self.sharded_params], streams=self.streams
             )
@@ -272,94 +366,25 @@ class ParamGroup:
                 return outputs
             return unsharded_from_outputs(outputs, pending.hook_inputs)
 
-    def _on_device(self, sharded_locals: list[torch.Tensor]) -> list[torch.Tensor]:
-        """CPU offload: the host-to-device copy of the shards before their all-gather."""
-        if not self.offload_to_cpu or self.device.type == "cpu":
-            return sharded_locals
-        return [t.to(self.device, non_blocking=True) for t in sharded_locals]
-
-    def prefetch(self) -> None:
-        """Eager: issues this group's all-gather now, to overlap the compute before it."""
-        if not self.sharded_params or self.compiled_on_its_own():
-            return
-        if self.eager.prefetched is None and self.eager.unsharded_for_backward is None:
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("prefetch: all-gather of group %r issued early", self.name)
-            self.eager.prefetch(self.start_all_gather(), self._local_versions())
-
-    def compiled_on_its_own(self) -> bool:
-        """Whether a module of the group was compiled by itself (``module.compile()``, as
-        per-block compile does): its graph gathers the parameters, so an eager prefetch
-        from the module before it would never be used."""
-        return any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
-
     def _take_prefetched(self) -> PendingUnshard | None:
         """The prefetched all-gather, unless a parameter changed since it was issued."""
-        pending, versions = self.eager.take_prefetched()
+        pending, versions = self._eager.take_prefetched()
         if pending is not None and versions != self._local_versions():
             foreach_all_gather_copy_out(pending.result)  # complete the collective every rank joined
             pending = None
         return pending
 
-    def _local_versions(self) -> list[tuple[int, int]]:
-        # In-place ops on the DTensor (optimizer steps, load_state_dict) bump only the
-        # parameter's version, not its local tensor's; writes to the local tensor the reverse.
-        return [(p._version, p._local_tensor._version) for p in self.sharded_params]
+    # -- backward -------------------------------------------------------------------------
 
-    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight."""
-        if comm.use_traced_path():
-            return self.finish_all_gather(self._start_all_gather(list(sharded_locals), None))
-        if self.eager.unsharded_for_backward is not None:
-            # Kept by a backward with reshard_after_backward=False: like FSDP2, the
-            # next forward uses them whatever the flag says now.
-            return self.eager.unsharded_for_backward
-        if self.eager.forward_unsharded is not None:
-            if self.eager.forward_unsharded_versions == self._local_versions():
-                # Gathered by an earlier forward of this group, which does not reshard
-                # after forward, and not resharded by a backward since: like FSDP2,
-                # still unsharded.
-                return [t.detach() for t in self.eager.forward_unsharded]
-            self.eager.forward_unsharded = None
-        pending = self._take_prefetched()
-        if pending is None:
-            pending = self.start_all_gather()
-        unsharded = self.finish_all_gather(pending)
-        if self.post_forward is not None:
-            # FSDP2 keeps this piece from the forward's end until the next all-gather;
-            # it is taken now, while the all-gather output is alive.
-            self.eager.keep_post_forward(self.post_forward.keep(pending), self._local_versions())
-        return unsharded
-
-    @property
-    def has_trainable_params(self) -> bool:
-        """Whether a backward can reach this group's gradient reduction."""
-        return any(p.requires_grad for p in self.sharded_params)
-
-    def keep_forward_unsharded(self, unsharded: list[torch.Tensor] | tuple[torch.Tensor, ...]
-                               ) -> None:
-        """Eager: keeps what a forward that does not reshard gathered, until a backward
-        (or :meth:`drop_unsharded`) reshards it (see ``EagerState.forward_unsharded``).
-
-        Kept detached, and handed out as fresh aliases: a kept tensor that carried its
-        autograd node would tie the group to that node's context (which holds the
-        group), a cycle through autograd that Python's collector cannot free when no
-        backward comes.
-        """
-        self.eager.forward_unsharded = tuple(t.detach() for t in unsharded)
-        self.eager.forward_unsharded_versions = self._local_versions()
-
-    # -- backward ----------------------------------------------------------------
-
-    def unsharded_for_backward(self) -> list[torch.Tensor]:
-        """Eager: the parameters re-gathered once for this group's backward."""
-        if self.eager.unsharded_for_backward is None:
+    def pre_backward(self) -> list[torch.Tensor]:
+        """Eager: the parameters, re-gathered once for this group's backward (by the
+        first saved tensor its backward unpacks), then prefetches per the group's order."""
+        if self._eager.unsharded_for_backward is None:
             with phase("pre_backward", self.name):
                 self._unshard_for_backward()
-        return self.eager.unsharded_for_backward
+        return self._eager.unsharded_for_backward
 
     def _unshard_for_backward(self) -> None:
-        """Eager: re-gathers the parameters for backward, then prefetches per the group's order."""
         if not self.unshard_in_backward:
             raise RuntimeError(
                 f"the backward of the group of {self.fqns[:3]} reads its parameters, but "
@@ -369,26 +394,15 @@ class ParamGroup:
         pending = self._take_prefetched()
         if pending is None:
             pending = self.start_all_gather()
-        self.eager.unsharded_for_backward = self.finish_all_gather(pending)
+        self._eager.keep_for_backward(self.finish_all_gather(pending))
         if torch._C._current_graph_task_id() != -1:
             # Also frees them for a group without trainable parameters, whose
-            # backward never reaches reduce_grads.
+            # backward never reaches post_backward.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         # Prefetch only once this group's all-gather buffer is freed: the peak then
         # holds one in-flight buffer, not two.
         if self.prefetch_backward is not None:
             self.prefetch_backward()
-
-    def drop_unsharded(self) -> None:
-        """Eager: frees a prefetched all-gather and parameters kept after backward."""
-        with phase("reshard", self.name):
-            pending, _ = self.eager.take_prefetched()
-            if pending is not None:
-                # Complete the collective every rank joined.
-                foreach_all_gather_copy_out(pending.result)
-            self.eager.unsharded_for_backward = None
-            self.eager.forward_unsharded = None
-            self.eager.take_post_forward()
 
     def _end_backward(self) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -397,62 +411,75 @@ class ParamGroup:
                       else "keep the unsharded parameters for the next forward")
         if self.reshard_after_backward:
             with phase("reshard", self.name):
-                self.eager.unsharded_for_backward = None
+                self._eager.drop_for_backward()
 
+    def post_backward(
+        self,
+        unsharded_grads: tuple[torch.Tensor | None, ...],
+        accumulated: dict[int, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Reduce-scatters the trainable parameters' gradients into sharded gradients.
 
-def _shard_info(
-    fqn: str,
-    param: nn.Parameter,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    shard_dim: int,
-    offload_to_cpu: bool,
-) -> ShardInfo:
-    # A TP parameter's FSDP shards are of its local tensor (see [Note: TP parameters]).
-    shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
-    try:
-        return make_shard_info(
-            shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
-            shard_dim=shard_dim, orig_dtype=param.dtype, param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype, offload_to_cpu=offload_to_cpu,
-        )
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"parameter {fqn!r}: {err}") from None
+        Args:
+            unsharded_grads: the group's backward's gradient per parameter.
+            accumulated: earlier no-sync microbatches' unsharded gradients, by parameter
+                index, passed in by a compiled backward; eager takes them from the
+                group's state.
 
+        Returns:
+            Traced, the sharded gradient per parameter (``None`` for those without);
+            eager, all ``None``: the model's reduction queue writes ``.grad``.
+        """
+        with phase("post_backward", self.name):
+            return self._post_backward(unsharded_grads, accumulated)
 
-def _sharded_param(
-    param: nn.Parameter,
-    info: ShardInfo,
-    mesh: DeviceMesh,
-    is_hsdp: bool,
-    device: torch.device,
-    pin_memory: bool,
-    tp_layout: TensorParallelLayout | None,
-) -> nn.Parameter:
-    data = param._local_tensor if isinstance(param, DTensor) else param
-    local = shard_tensor(data.detach().to(device), info)
-    if pin_memory and device.type == "cpu":
-        local = _pinned(local)
-    if tp_layout is not None:
-        mesh, placements = tp_layout.spmd_mesh, tp_layout.spmd_placements
-    else:
-        shard = Shard(info.shard_dim)
-        placements = (Replicate(), shard) if is_hsdp else (shard,)
-    dtensor = DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride(),
-    )
-    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    def post_backward_outside_backward(self) -> None:
+        """Eager, outside a backward pass: FSDP2's ``FSDPParamGroup.post_backward()``, which
+        torch's pipeline stages call after their microbatches' no-sync backwards (see
+        [Note: pipeline schedules]).
 
+        With gradient sync on, the gradients accumulated so far are reduce-scattered (the
+        model's reduce queue finishes them); with ``reshard_after_backward``, the
+        parameters kept for backward are freed. A group with nothing accumulated reduces
+        nothing, so a second call is a no-op.
+        """
+        if self._eager.has_accumulated_grads and self.requires_gradient_sync:
+            self.post_backward((None,) * len(self.sharded_params))
+        elif self.reshard_after_backward:
+            self._eager.end_backward(reshard_after_backward=True)
 
-def _pinned(local: torch.Tensor) -> torch.Tensor:
-    """``local`` in pinned host memory. Pinning needs an accelerator: without one torch
-    raises ``RuntimeError``, as under FSDP2 (at ``fully_shard``, or at ``to_empty`` for
-    parameters built on meta); the same type, saying which argument to change."""
-    try:
-        return local.pin_memory()
-    except RuntimeError as err:
-        raise RuntimeError(
-            f"CPUOffloadPolicy(pin_memory=True) could not pin the sharded parameters in host "
-            f"memory ({err}): pinning needs an accelerator; pass "
-            "CPUOffloadPolicy(pin_memory=False) on a machine without one"
-        ) from err
+    def finish_reductions(self) -> None:
+        """Finishes the model's eager gradient reductions in flight (writing ``.grad``),
+        as FSDP2's root post-backward callback waits for its reduce-scatters."""
+        self._root_state.reduce_queue.finish_all()
+
+    def _post_backward(
+        self,
+        unsharded_grads: tuple[torch.Tensor | None, ...],
+        accumulated: dict[int, torch.Tensor] | None,
+    ) -> list[torch.Tensor | None]:
+        # A traced backward must not mutate Python state (Dynamo refuses such side
+        # effects inside an autograd.Function): every eager state it reads is empty.
+        self._eager.end_backward(self.reshard_after_backward)
+        if not accumulated:
+            accumulated = self._eager.take_accumulated_grads()
+        grads = gradients_to_reduce(self, unsharded_grads, accumulated)
+        sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
+        if not self.requires_gradient_sync:
+            self._eager.keep_accumulated_grads(grads)
+            return sharded_grads
+        if not grads:
+            return sharded_grads
+        indices = sorted(grads)
+        pending = start_reduce(self, grads, indices, self._eager)
+        if not comm.use_traced_path():
+            # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
+            # groups' gradients; the gradients reach .grad when it is finished (by the
+            # next group's reduction or at the end of backward), not through autograd.
+            self._root_state.reduce_queue.put(
+                pending, GradientTarget(self.sharded_params, indices, self._eager))
+            return sharded_grads
+        result = finish_foreach_reduce(pending)
+        for i, grad in zip(indices, result.sharded_grads):
+            sharded_grads[i] = grad
+        return sharded_grads

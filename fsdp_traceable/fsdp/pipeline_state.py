@@ -30,8 +30,6 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from .gradient_reduction import post_backward
-
 if TYPE_CHECKING:
     from .param_group import ParamGroup
 
@@ -67,7 +65,7 @@ class _GroupBackward:
 
     def post_backward(self, *unused: object) -> None:
         """Reduce-scatters the group's accumulated gradients (FSDP2's meaning)."""
-        post_backward(self._group)
+        self._group.post_backward_outside_backward()
 
 
 class _StateContext:
@@ -122,7 +120,7 @@ class FullyShardState:
     def _root_post_backward_final_callback(self) -> None:
         """Finishes the model's gradient reductions in flight (writing ``.grad``), as
         FSDP2's end-of-backward callback waits for its reduce-scatters."""
-        self._owner()._fsdp_group.root_state.reduce_queue.finish_all()
+        self._owner()._fsdp_group.finish_reductions()
 
 
 def _state_of(module: nn.Module) -> FullyShardState:

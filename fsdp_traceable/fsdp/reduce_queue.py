@@ -1,7 +1,7 @@
 """Eager gradient reductions in flight, finished in order.
 
 A group's backward starts its reduce-scatter and returns; the reduction is finished
-(waited, all-reduced for HSDP, unpacked into ``.grad``) when the next group starts
+here (waited, all-reduced for HSDP, unpacked into ``.grad``) when the next group starts
 its own, so one reduce-scatter overlaps the next group's gradient computation, and
 at the latest when the backward pass ends. FSDP2 keeps one in flight the same way.
 
@@ -11,13 +11,26 @@ reductions never wait behind another's, and what a model leaves in flight goes w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+import torch.nn as nn
 
-from ..collectives import ReduceResult
+from ..collectives import accumulate_sharded_grad
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
 from ..profiler_labels import phase
+from .eager_state import EagerState
+
+
+class GradientTarget(NamedTuple):
+    """Where a finished reduction's gradients go: the ``.grad`` of ``params[i]`` for
+    each ``i`` in ``indices`` (the group's own list, so parameters a module re-created
+    since are the ones written), or, while HSDP skips the all-reduce, the group's
+    eager state."""
+
+    params: list[nn.Parameter]
+    indices: list[int]
+    eager: EagerState
 
 
 class ReduceQueue:
@@ -25,19 +38,19 @@ class ReduceQueue:
     finishes them."""
 
     def __init__(self) -> None:
-        self._in_flight: list[tuple[PendingReduce, Callable[[ReduceResult], None]]] = []
+        self._in_flight: list[tuple[PendingReduce, GradientTarget]] = []
         # The backward pass whose end finishes _in_flight (autograd's graph task id).
         self._flushing_task = -1
 
     def __len__(self) -> int:
         return len(self._in_flight)
 
-    def put(self, pending: PendingReduce, on_finished: Callable[[ReduceResult], None]) -> None:
+    def put(self, pending: PendingReduce, target: GradientTarget) -> None:
         """Adds a started reduction, then finishes every earlier one.
 
         Args:
             pending: the started reduction.
-            on_finished: called with its result once it is finished.
+            target: where its gradients go once it is finished.
         """
         task = torch._C._current_graph_task_id()
         if task == -1:
@@ -51,7 +64,7 @@ class ReduceQueue:
             self.finish_all()
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_all)
             self._flushing_task = task
-        self._in_flight.append((pending, on_finished))
+        self._in_flight.append((pending, target))
         while len(self._in_flight) > 1:
             self._finish_oldest()
 
@@ -62,5 +75,14 @@ class ReduceQueue:
                 self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        pending, on_finished = self._in_flight.pop(0)
-        on_finished(finish_foreach_reduce(pending))
+        """Finishes the oldest reduction and writes its gradients into ``.grad``."""
+        pending, target = self._in_flight.pop(0)
+        result = finish_foreach_reduce(pending)
+        if result.sharded_grads is None:
+            target.eager.keep_partial_reduce_output(result.partial_reduce_output)
+            return
+        for i, grad in zip(target.indices, result.sharded_grads):
+            param = target.params[i]
+            # A zero-size parameter gets no gradient, as through autograd (see unshard_params).
+            if param.numel():
+                accumulate_sharded_grad(param, grad)

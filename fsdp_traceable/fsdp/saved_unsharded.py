@@ -119,7 +119,7 @@ class SavedUnsharded:
 
 
 def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
-    base = saved.group.unsharded_for_backward()[saved.index]
+    base = saved.group.pre_backward()[saved.index]
     if saved.attr is not None:
         base = getattr(base, saved.attr)
     return base.as_strided(saved.size, saved.stride, saved.storage_offset)

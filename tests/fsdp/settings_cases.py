@@ -161,7 +161,7 @@ def explicit_prefetch(rank: int, world_size: int) -> dict[str, Any]:
     in_flight: list[list[bool]] = []
 
     def record(module: nn.Module, args: Any, output: Any) -> None:
-        in_flight.append([b._fsdp_group.eager.prefetched is not None for b in ours.layers[1:]])
+        in_flight.append([b._fsdp_group.has_prefetch for b in ours.layers[1:]])
 
     handle = ours.layers[0].feed_forward.register_forward_hook(record)
     result = {}

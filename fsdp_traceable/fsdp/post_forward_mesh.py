@@ -1,4 +1,5 @@
-"""``reshard_after_forward=N``: FSDP2's post-forward sharded state, eager.
+"""``reshard_after_forward=N``: FSDP2's post-forward mesh and the piece each rank keeps
+on it between forward and backward, eager.
 
 Between a group's forward and its backward each rank keeps ``1/N`` of the forward's
 all-gather output instead of nothing; backward re-gathers it over the rank's group of
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 
-class PostForwardResharding:
+class PostForwardMesh:
     """The groups of ``group_size`` ranks a parameter group reshards to after forward.
 
     Built at ``fully_shard`` time on every rank (it creates process groups), as FSDP2

@@ -1,0 +1,115 @@
+"""Around a ``fully_shard``-ed module's forward: torch's forward-method hooks, the
+record of what one forward call took, and what the forward does to its inputs and
+output (the device check, the mixed-precision casts).
+
+The forward itself is the group's: ``ParamGroup.pre_forward`` / ``post_forward``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from ..collectives import comm
+
+if TYPE_CHECKING:
+    from .sharded_group import ShardedGroup
+
+
+class ForwardScope(NamedTuple):
+    """What one forward call took: the unsharded parameters it must release (``None``
+    if another call owns them) and the saved-tensor hooks it entered."""
+
+    unsharded: tuple[torch.Tensor, ...] | None
+    hooks: Any
+
+
+class ForwardHooks:
+    """FSDP2's ``_pre_forward``/``_post_forward`` pair, for torch's
+    ``register_fsdp_forward_method``; scopes nest as the methods do."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._scopes: list[ForwardScope] = []
+        self._module = weakref.ref(module)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs, scope = module._fsdp_group.pre_forward(module, args, kwargs)
+        self._scopes.append(scope)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return module._fsdp_group.post_forward(module, self._scopes.pop(), output)
+
+    # torch's share_comm_ctx reads one module's stream context and assigns it to the
+    # others through these.
+    @property
+    def _comm_ctx(self) -> comm.DeviceStreams:
+        return self._module()._fsdp_group.streams
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, streams: comm.DeviceStreams) -> None:
+        self._module()._fsdp_group.configure(streams=streams)
+
+    @property
+    def _fsdp_param_groups(self) -> list:
+        return []  # share_comm_ctx's per-group assignment: done by the setter above
+
+
+def prepare_inputs(group: ShardedGroup, module: nn.Module, args: tuple, kwargs: dict,
+                   traced: bool) -> tuple[tuple, dict]:
+    """Checks a forward's inputs and the group's settings, and casts the inputs.
+
+    Args:
+        group: the module's parameter group.
+        module: the module whose forward starts.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        traced: whether the forward is being traced.
+
+    Returns:
+        ``args`` and ``kwargs``, cast to ``param_dtype`` per the group's ``mp_policy``.
+    """
+    check_input_device(module, group.device_type, args, kwargs)
+    policy = group.mp_policy
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
+    if traced and (group.explicit_forward_prefetch or group.explicit_backward_prefetch):
+        raise NotImplementedError(
+            "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch schedule "
+            "eager all-gathers; in a compiled graph Inductor places them "
+            "(torch.compile(options=fsdp_traceable.inductor_options(overlap=True))). "
+            "Pass [] to both setters before compiling"
+        )
+    return args, kwargs
+
+
+def check_input_device(module: nn.Module, device_type: str, args: tuple, kwargs: dict) -> None:
+    """Raises if the first tensor argument is not on the mesh's device type.
+
+    Runs before the all-gather, so a misplaced input fails on every rank without a
+    collective. Under compile the device is static, so this adds no graph break.
+    """
+    for key, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            if value.device.type != device_type:
+                where = f"argument {key}" if isinstance(key, int) else f"argument {key!r}"
+                raise ValueError(
+                    f"{type(module).__name__}.forward got {where} on {value.device.type}, but "
+                    f"its parameters are sharded on {device_type}: move the inputs to "
+                    f"{device_type} before calling the model"
+                )
+            return
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype``."""
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)

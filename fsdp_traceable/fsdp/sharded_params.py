@@ -1,0 +1,99 @@
+"""How ``fully_shard`` turns one parameter into its shard: the shard layout
+(:class:`~fsdp_traceable.collectives.ShardInfo`) and the sharded ``nn.Parameter(DTensor)``
+laid out as FSDP2 lays it out."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..collectives import ShardInfo, make_shard_info, shard_tensor
+from .tensor_parallel import TensorParallelLayout
+
+
+def shard_info(
+    fqn: str,
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    shard_dim: int,
+    offload_to_cpu: bool,
+) -> ShardInfo:
+    """One parameter's shard layout on ``mesh``'s shard dim.
+
+    Args:
+        fqn: the parameter's name, for errors.
+        param: the parameter (a TP parameter: a DTensor, sharded as its local tensor).
+        mesh: the group's 1-D or 2-D (HSDP) mesh.
+        mp_policy: the group's mixed-precision policy.
+        shard_dim: the dim to shard.
+        offload_to_cpu: whether the shards live on CPU.
+
+    Returns:
+        The parameter's ``ShardInfo``.
+    """
+    # A TP parameter's FSDP shards are of its local tensor (see [Note: TP parameters]).
+    shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+    try:
+        return make_shard_info(
+            shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
+            shard_dim=shard_dim, orig_dtype=param.dtype, param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype, offload_to_cpu=offload_to_cpu,
+        )
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"parameter {fqn!r}: {err}") from None
+
+
+def sharded_param(
+    param: nn.Parameter,
+    info: ShardInfo,
+    mesh: DeviceMesh,
+    is_hsdp: bool,
+    device: torch.device,
+    pin_memory: bool,
+    tp_layout: TensorParallelLayout | None,
+) -> nn.Parameter:
+    """The sharded ``nn.Parameter(DTensor)`` for ``param``, laid out as FSDP2 lays it out.
+
+    Args:
+        param: the unsharded parameter.
+        info: its shard layout (from :func:`shard_info`).
+        mesh: the group's mesh.
+        is_hsdp: whether ``mesh`` is 2-D (replicate, shard).
+        device: where the shard lives.
+        pin_memory: pin a CPU shard.
+        tp_layout: a TP parameter's layout (see [Note: TP parameters]), else ``None``.
+
+    Returns:
+        The sharded parameter, with ``param``'s ``requires_grad``.
+    """
+    data = param._local_tensor if isinstance(param, DTensor) else param
+    local = shard_tensor(data.detach().to(device), info)
+    if pin_memory and device.type == "cpu":
+        local = pinned(local)
+    if tp_layout is not None:
+        mesh, placements = tp_layout.spmd_mesh, tp_layout.spmd_placements
+    else:
+        shard = Shard(info.shard_dim)
+        placements = (Replicate(), shard) if is_hsdp else (shard,)
+    dtensor = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride(),
+    )
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def pinned(local: torch.Tensor) -> torch.Tensor:
+    """``local`` in pinned host memory. Pinning needs an accelerator: without one torch
+    raises ``RuntimeError``, as under FSDP2 (at ``fully_shard``, or at ``to_empty`` for
+    parameters built on meta); the same type, saying which argument to change."""
+    try:
+        return local.pin_memory()
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"CPUOffloadPolicy(pin_memory=True) could not pin the sharded parameters in host "
+            f"memory ({err}): pinning needs an accelerator; pass "
+            "CPUOffloadPolicy(pin_memory=False) on a machine without one"
+        ) from err
