@@ -16,9 +16,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
 from .forward_hooks import ForwardHooks
+from .module_hooks import InnerHooks
 from .param_group import ParamGroup
 from .setting_checks import (
     check_bool,
@@ -28,7 +30,7 @@ from .setting_checks import (
     fsdp2_comms,
     prefetch_all,
 )
-from .unsharded_binding import param_property
+from .unsharded_binding import param_property, register_parameter
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -352,13 +354,39 @@ class FSDPModule(TorchFSDPModule):
         self._fsdp_group.refresh_params()
         return result
 
+    def register_forward_pre_hook(self, hook: Callable[..., Any], *, prepend: bool = False,
+                                  with_kwargs: bool = False) -> RemovableHandle:
+        """``nn.Module``'s, in FSDP2's order: the hook runs after the unshard (it sees
+        the unsharded parameters and the cast inputs), or before it with ``prepend=True``.
+        See [Note: forward hook order]."""
+        if prepend:
+            return super().register_forward_pre_hook(hook, prepend=True, with_kwargs=with_kwargs)
+        return self.__dict__["_fsdp_inner_hooks"].add_pre(hook, with_kwargs)
+
+    def register_forward_hook(self, hook: Callable[..., Any], *, prepend: bool = False,
+                              with_kwargs: bool = False, always_call: bool = False
+                              ) -> RemovableHandle:
+        """``nn.Module``'s, in FSDP2's order: the hook runs after the reshard, or before
+        it (first of all) with ``prepend=True``. See [Note: forward hook order]."""
+        if not prepend:
+            return super().register_forward_hook(hook, with_kwargs=with_kwargs,
+                                                 always_call=always_call)
+        return self.__dict__["_fsdp_inner_hooks"].add_post_first(hook, with_kwargs, always_call)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
+        hooks = self.__dict__["_fsdp_inner_hooks"]
         args, kwargs, scope = group.pre_forward(self, args, kwargs)
         try:
+            if hooks.pre:
+                args, kwargs = hooks.run_pre(self, args, kwargs)
             output = super().forward(*args, **kwargs)
+            if hooks.post:
+                output = hooks.run_post(self, args, kwargs, output)
         except BaseException:
             group.abort_forward(scope)
+            if hooks.post_always:
+                hooks.run_always_called(self, args, kwargs)
             raise
         return group.post_forward(self, scope, output)
 
@@ -435,6 +463,7 @@ def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _fsdp_classes:
         attrs = {name: param_property(name) for name in names}
+        attrs["register_parameter"] = register_parameter
         _fsdp_classes[key] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
     return _fsdp_classes[key]
 
@@ -444,4 +473,5 @@ def swap_class(module: nn.Module, cls: type) -> None:
     module.__dict__.setdefault("_fsdp_unsharded", {})
     if issubclass(cls, FSDPModule):
         module.__dict__["_fsdp_forward_hooks"] = ForwardHooks(module)
+        module.__dict__["_fsdp_inner_hooks"] = InnerHooks(module)
     module.__class__ = cls
