@@ -30,7 +30,7 @@ from .gradient_reduction import gradients_to_reduce, start_reduce
 from .reduce_queue import GradientTarget
 from .root_state import RootState
 from .sharded_group import ShardedGroup
-from .sharded_params import pinned
+from .sharded_params import check_replacement, pinned
 from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,44 @@ class ParamGroup(ShardedGroup):
             self.sharded_params[index] = param
         _ = self.extensions  # malformed hooks of the new local tensors raise now
         self._eager.reset()
+
+    # [Note: replaced parameters]
+    # ``module.weight = nn.Parameter(...)`` on a module holding a sharded parameter, or
+    # ``load_state_dict(assign=True)``, goes through ``register_parameter``, which the
+    # classes fully_shard swaps in override (``unsharded_binding.register_parameter``):
+    # the new parameter is checked here first (an nn.Parameter(DTensor) with the old
+    # layout, else TypeError/ValueError, nothing changed), then set on every holder of a
+    # tied parameter and adopted by the group, whose next all-gather gathers it. FSDP2
+    # adopts it at its lazy init (the first forward) and after load_state_dict; a later
+    # replacement it silently reverts at its next unshard, where ours adopts it too.
+
+    def replace_param(self, owner: nn.Module, name: str, param: nn.Parameter | None,
+                      register: Callable[[nn.Module, str, nn.Parameter], None]) -> None:
+        """Sets ``owner.<name>`` (a holder of one of the group's parameters) to ``param``
+        and adopts it. See [Note: replaced parameters].
+
+        Args:
+            owner: the module whose attribute is set.
+            name: the attribute.
+            param: the new parameter.
+            register: ``register(module, name, param)`` registers it on one holder.
+
+        Raises:
+            TypeError, ValueError: ``param`` cannot replace the sharded parameter, or
+                the group's parameters are in use (unsharded or being gathered).
+        """
+        index = next(i for o, n, i in self.bindings if o is owner and n == name)
+        check_replacement(self.fqns[index], self.sharded_params[index], param)
+        if is_bound(self) or self.has_prefetch or self._explicit_unsharded is not None:
+            raise ValueError(
+                f"parameter {self.fqns[index]!r} was replaced while its group's parameters "
+                "are unsharded (during forward, or after unshard()): replace it between "
+                "steps, after reshard()"
+            )
+        for holder, holder_name, i in self.bindings:
+            if i == index:
+                register(holder, holder_name, param)
+        self.refresh_params()
 
     # -- unshard, wait, reshard ------------------------------------------------------
 

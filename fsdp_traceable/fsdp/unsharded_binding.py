@@ -55,11 +55,28 @@ def param_property(name: str) -> property:
     return property(get)
 
 
+def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """``nn.Module.register_parameter`` of the swapped-in classes: ``module.weight = ...``
+    and ``load_state_dict(assign=True)`` come here. A sharded parameter's replacement is
+    checked and adopted by its group (see [Note: replaced parameters])."""
+    group = self.__dict__.get("_fsdp_holders", {}).get(name)
+    if group is None:
+        super(type(self), self).register_parameter(name, param)
+        return
+    group.replace_param(self, name, param, _register_on)
+
+
+def _register_on(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    super(type(module), module).register_parameter(name, param)
+
+
 def owner_class(cls: type, names: tuple[str, ...]) -> type:
-    """``cls`` with a property per parameter name in ``names`` (cached per pair)."""
+    """``cls`` with a property per parameter name in ``names`` (cached per pair), and
+    :func:`register_parameter`."""
     key = (cls, names)
     if key not in _owner_classes:
         attrs = {name: param_property(name) for name in names}
+        attrs["register_parameter"] = register_parameter
         _owner_classes[key] = type(cls.__name__, (cls,), attrs)
     return _owner_classes[key]
 
