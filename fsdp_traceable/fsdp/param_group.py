@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..collectives import comm, foreach_all_gather, foreach_all_gather_copy_out
 from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import phase
+from . import post_accumulate_hooks
 from .all_gather_extensions import PendingUnshard, all_gather_inputs, unsharded_from_outputs
 from .autograd_bridge import unshard_params
 from .eager_state import EagerState
@@ -62,6 +63,8 @@ class ParamGroup(ShardedGroup):
         # Eager-only state between calls (prefetch, parameters kept for backward,
         # no-sync gradient accumulation).
         self._eager = EagerState()
+        # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
+        self._hooks_hidden = False
 
     def link(self, *, name: str, is_root: bool, prefetch_backward: Callable[[], None] | None,
              root_state: RootState, list_groups: list[ParamGroup]) -> None:
@@ -212,6 +215,8 @@ class ParamGroup(ShardedGroup):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                      ) -> tuple[tuple, dict, ForwardScope]:
         traced = comm.use_traced_path()
+        if self._hooks_hidden:
+            self.restore_post_accumulate_hooks()
         args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
         shared = len(self.modules) > 1
         if self._explicit_unsharded is not None:
@@ -485,6 +490,18 @@ class ParamGroup(ShardedGroup):
             self.post_backward((None,) * len(self.sharded_params))
         elif self.reshard_after_backward:
             self._eager.end_backward(reshard_after_backward=True)
+
+    def hide_post_accumulate_hooks(self) -> None:
+        """Eager backward: autograd must not run the parameters' post-accumulate-grad
+        hooks; the reduction does (see [Note: post-accumulate-grad hooks in eager backward])."""
+        if post_accumulate_hooks.hide(self.sharded_params):
+            self._hooks_hidden = True
+
+    def restore_post_accumulate_hooks(self) -> None:
+        """Puts back what :meth:`hide_post_accumulate_hooks` took (none ran meanwhile)."""
+        self._hooks_hidden = False
+        for param in self.sharded_params:
+            post_accumulate_hooks.restore(param)
 
     def finish_reductions(self) -> None:
         """Finishes the model's eager gradient reductions in flight (writing ``.grad``),

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..collectives import accumulate_sharded_grad
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
 from ..profiler_labels import phase
+from . import post_accumulate_hooks
 from .eager_state import EagerState
 
 
@@ -85,4 +86,5 @@ class ReduceQueue:
             param = target.params[i]
             # A zero-size parameter gets no gradient, as through autograd (see unshard_params).
             if param.numel():
+                post_accumulate_hooks.restore(param)  # it runs them: see the Note there
                 accumulate_sharded_grad(param, grad)
