@@ -102,3 +102,20 @@ def test_hook_handles_remove_hooks_registered_before_and_after(fake_mesh) -> Non
         handle.remove()
     linear(torch.ones(2, 4))
     assert len(calls) == 2
+
+
+def test_full_backward_hook_grad_input_precedes_the_input_cast(fake_mesh) -> None:
+    """The documented difference: FSDP2 casts a module's inputs in a forward pre-hook,
+    before torch wraps them for full backward hooks; ours casts inside ``forward``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    dtypes = {}
+    for name, shard in (("theirs", fsdp2_fully_shard), ("ours", fsdp_traceable.fully_shard)):
+        linear = shard(nn.Linear(4, 4), mesh=fake_mesh, mp_policy=policy)
+        linear.register_full_backward_hook(
+            lambda m, gin, gout, name=name: dtypes.update({name: (gin[0].dtype, gout[0].dtype)}))
+        linear(torch.ones(2, 4, requires_grad=True)).float().sum().backward()
+    assert dtypes == {"theirs": (torch.bfloat16, torch.bfloat16),
+                      "ours": (torch.float32, torch.bfloat16)}
