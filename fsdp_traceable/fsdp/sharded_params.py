@@ -112,7 +112,7 @@ def check_replacement(fqn: str, old: nn.Parameter, new: nn.Parameter | None) -> 
     Raises:
         TypeError: ``new`` is not an ``nn.Parameter`` wrapping a ``DTensor``.
         ValueError: its mesh, placements, shape, stride, local shape, dtype or device
-            differ from ``old``'s.
+            (unless ``old`` is on meta) differ from ``old``'s.
     """
     fix = ("build the new parameter with the old one's layout, e.g. nn.Parameter("
            "distribute_tensor(full, old.device_mesh, old.placements)), or copy the values "
@@ -123,8 +123,11 @@ def check_replacement(fqn: str, old: nn.Parameter, new: nn.Parameter | None) -> 
             f"parameter {fqn!r} of a fully_shard-ed module was set to {what}; fully_shard "
             f"manages it as an nn.Parameter(DTensor) sharded on its mesh: {fix}"
         )
+    # A parameter still on meta takes a materialized one (torch's set_model_state_dict
+    # loads into a meta-built model with assign=True).
+    device = new._local_tensor.device if old.is_meta else old._local_tensor.device
     layout = (old.device_mesh, old.placements, old.shape, old.stride(), old.dtype,
-              old._local_tensor.shape, old._local_tensor.device)
+              old._local_tensor.shape, device)
     given = (new.device_mesh, new.placements, new.shape, new.stride(), new.dtype,
              new._local_tensor.shape, new._local_tensor.device)
     if layout != given:

@@ -119,3 +119,16 @@ def test_full_backward_hook_grad_input_precedes_the_input_cast(fake_mesh) -> Non
         linear(torch.ones(2, 4, requires_grad=True)).float().sum().backward()
     assert dtypes == {"theirs": (torch.bfloat16, torch.bfloat16),
                       "ours": (torch.float32, torch.bfloat16)}
+
+
+def test_a_meta_built_model_adopts_loaded_parameters(fake_mesh) -> None:
+    """``load_state_dict(assign=True)`` of materialized shards into a model built on meta
+    (what torch's ``set_model_state_dict`` does with a full state dict)."""
+    with torch.device("meta"):
+        linear = fsdp_traceable.fully_shard(nn.Linear(4, 6), mesh=fake_mesh)
+    state = {k: nn.Parameter(DTensor.from_local(torch.ones(v.to_local().shape), fake_mesh,
+                                                v.placements, shape=v.shape, stride=v.stride()))
+             for k, v in linear.state_dict().items()}
+    linear.load_state_dict(state, assign=True)
+    assert linear.weight is state["weight"] and not linear.weight.is_meta
+    assert linear._fsdp_group.sharded_params[0] is state["weight"]
