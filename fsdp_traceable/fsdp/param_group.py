@@ -215,7 +215,7 @@ class ParamGroup(ShardedGroup):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                      ) -> tuple[tuple, dict, ForwardScope]:
         traced = comm.use_traced_path()
-        if self._hooks_hidden:
+        if self._hooks_hidden and not traced:  # only an eager backward hides them
             self.restore_post_accumulate_hooks()
         args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
         shared = len(self.modules) > 1
