@@ -65,6 +65,9 @@ class ParamGroup(ShardedGroup):
         self._eager = EagerState()
         # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
         self._hooks_hidden = False
+        # Whether no parameter is on meta (checked before the first all-gather, and
+        # again after the parameters are re-read).
+        self._materialized = False
 
     def link(self, *, name: str, is_root: bool, prefetch_backward: Callable[[], None] | None,
              root_state: RootState, list_groups: list[ParamGroup]) -> None:
@@ -103,6 +106,7 @@ class ParamGroup(ShardedGroup):
             self.sharded_params[index] = param
         _ = self.extensions  # malformed hooks of the new local tensors raise now
         self._eager.reset()
+        self._materialized = False
 
     # [Note: replaced parameters]
     # ``module.weight = nn.Parameter(...)`` on a module holding a sharded parameter, or
@@ -166,6 +170,8 @@ class ParamGroup(ShardedGroup):
         """Finishes :meth:`unshard`: binds the unsharded parameters to the modules."""
         if self._explicit_unsharded is not None or is_bound(self):
             return
+        if not self._materialized:
+            self._check_materialized()
         with torch.enable_grad():  # the forward that uses them may need their backward
             self._explicit_unsharded = unshard_params(self, recompute_in_backward=False)
         bind_unsharded(self, self._explicit_unsharded)
@@ -217,6 +223,8 @@ class ParamGroup(ShardedGroup):
         traced = comm.use_traced_path()
         if self._hooks_hidden and not traced:  # only an eager backward hides them
             self.restore_post_accumulate_hooks()
+        if not self._materialized:
+            self._check_materialized()
         args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
         shared = len(self.modules) > 1
         if self._explicit_unsharded is not None:
@@ -325,6 +333,8 @@ class ParamGroup(ShardedGroup):
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
         if not self.sharded_params or self.compiled_on_its_own():
             return
+        if not self._materialized:
+            self._check_materialized()
         if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("prefetch: all-gather of group %r issued early", self.name)
@@ -400,6 +410,19 @@ class ParamGroup(ShardedGroup):
         result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, self.shard_group,
                                     streams=streams, all_gather_comm=self.all_gather_comm)
         return PendingUnshard(result, hook_inputs)
+
+    def _check_materialized(self) -> None:
+        """Raises FSDP2's error if a parameter is still on meta: before the group's first
+        all-gather (forward, ``unshard()`` or a prefetch), outside its autograd bridge."""
+        on_meta = [fqn for fqn, p in zip(self.fqns, self.sharded_params) if p.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}\nFor example, call "
+                "module.to_empty(device) to materialize to device and call "
+                "module.reset_parameters() on each module to initialize values."
+            )
+        self._materialized = True
 
     def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
         """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""

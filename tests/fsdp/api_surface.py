@@ -163,6 +163,9 @@ LATE_ATTACHMENT = [
      "apply_init_between_steps"),
     ("meta device: `to_empty(device=...)`, then `init_weights`", "same",
      "parameters re-read", "tests/fsdp/test_meta_init_parity.py"),
+    ("meta device: a forward before `to_empty`", "same",
+     "FSDP2's `RuntimeError` before the group's first all-gather",
+     "tests/fsdp/test_late_attachment.py"),
     ("`fsdp_pre_all_gather` / `fsdp_post_all_gather` set on a local shard", "same",
      "looked up at every all-gather", "tests/fsdp/test_all_gather_extensions.py"),
 ]

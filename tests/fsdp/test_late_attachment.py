@@ -132,3 +132,18 @@ def test_a_meta_built_model_adopts_loaded_parameters(fake_mesh) -> None:
     linear.load_state_dict(state, assign=True)
     assert linear.weight is state["weight"] and not linear.weight.is_meta
     assert linear._fsdp_group.sharded_params[0] is state["weight"]
+
+
+def test_a_forward_on_meta_raises_fsdp2s_error_before_the_all_gather(fake_mesh) -> None:
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    messages = []
+    for shard in (fsdp2_fully_shard, fsdp_traceable.fully_shard):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        shard(model[0], mesh=fake_mesh)
+        shard(model, mesh=fake_mesh)
+        with pytest.raises(RuntimeError, match="materialized from meta device") as error:
+            model(torch.ones(2, 4))
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
