@@ -86,5 +86,6 @@ class ReduceQueue:
             param = target.params[i]
             # A zero-size parameter gets no gradient, as through autograd (see unshard_params).
             if param.numel():
-                post_accumulate_hooks.restore(param)  # it runs them: see the Note there
+                # Run below: see [Note: post-accumulate-grad hooks in eager backward].
+                post_accumulate_hooks.restore(param)
                 accumulate_sharded_grad(param, grad)
