@@ -85,8 +85,12 @@ def shut_down_process_group() -> None:
 # or error is no longer the file the server inherited (a redirected or captured stdout):
 # a forked rank writes to the server's.
 _PRELOADED_MODULES = ["torch", "torch.distributed", "fsdp_traceable"]
-_READ_AT_RUN_TIME = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST"})
-_NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST"})
+# Inductor writes the address of an object of its own process into this variable
+# before every load of compiled code that reads it (after the first compile, the caller's
+# environment holds it): a rank never needs the caller's value.
+_PROCESS_OWN = frozenset({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
+_READ_AT_RUN_TIME = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST"}) | _PROCESS_OWN
+_NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST"}) | _PROCESS_OWN
 
 
 class _RankStarter:
