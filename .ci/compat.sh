@@ -29,7 +29,7 @@ RECOMPILES=compile_tests/test_recompiles.py
 SUBSET=(
   tests/collectives/test_ops.py
   "$FULLY_SHARD[2-eager-adamw]"
-  "$FULLY_SHARD[2-compile-ca-aot-eager-sgd]"
+  "tests/fsdp/test_fully_shard.py::test_bf16_mixed_precision_within_fsdp2_error[compile-ca-aot-eager]"
   compile_tests/test_fully_shard_compile.py
   tests/test_torch_patches.py
   "$EXTENSIONS::test_compiled_all_gather_carries_float8_weights_as_bytes"
@@ -59,7 +59,7 @@ install() {
   mkdir -p .ci-venvs
   "$PYTHON" -m venv "$venv"
   "$venv/bin/pip" install -q --no-compile "torch==$version"
-  "$venv/bin/pip" install -q --no-compile pytest expecttest hypothesis numpy
+  "$venv/bin/pip" install -q --no-compile pytest pytest-xdist expecttest hypothesis numpy
   "$venv/bin/pip" install -q --no-compile --no-deps -e .
   # Another package named triton_kernels, installed beside ours (see tests/test_packaging.py).
   "$venv/bin/pip" install -q --no-compile --no-deps triton-kernels==0.1.0
@@ -88,7 +88,8 @@ for i in "${!VERSIONS[@]}"; do
   fi
   set +e
   TORCHINDUCTOR_CACHE_DIR="$PWD/$venv/inductor_cache" \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=10 "${SUBSET[@]}"
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 \
+    "${SUBSET[@]}"
   rc=$?
   "$venv/bin/python" -m fsdp_traceable.triton_kernels.gpu_targets
   gpu_rc=$?

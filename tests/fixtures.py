@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_traceable.collectives import comm
 from fsdp_traceable.testing.fake_world import fake_process_group
-from fsdp_traceable.testing.local_ranks import local_rank_context
+from fsdp_traceable.testing.local_ranks import preload_rank_server
 
 # [Note: one Inductor compile thread in the suite]
 # With more than one compile thread, every process that compiles with Inductor starts a
@@ -80,8 +80,9 @@ def rank_server(run_inductor_cache_dir: Path) -> None:
     """Starts the preloaded fork server local ranks come from, once per test worker and
     before any test captures its own output: the server's standard output and error
     are then the run's, and every later rank of the run forks from it (a server started
-    inside a ``capfd`` test would make every other test's ranks spawn)."""
-    local_rank_context()
+    inside a ``capfd`` test would make every other test's ranks spawn). The server runs
+    Inductor's CPU probes once, for every rank of the run that compiles."""
+    preload_rank_server(inductor=True)
 
 
 @contextlib.contextmanager

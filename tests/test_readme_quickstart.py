@@ -1,6 +1,7 @@
 """The README's quickstart, run as it stands: the code block after ``<!-- quickstart -->``
 is written to a file and launched on 2 gloo ranks with ``torch.distributed.run``, as the
-README tells a user to run it."""
+README tells a user to run it; its printed losses (a whole-model Inductor compile, its
+backward without compiled autograd) match the same training unsharded in one process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 
 from fsdp_traceable.testing.local_ranks import free_port
 
@@ -34,18 +37,37 @@ def quickstart_code() -> str:
     return match.group(1) + "\n"
 
 
+def unsharded_reference_losses() -> list[float]:
+    """The quickstart's three losses from one unsharded, uncompiled process: the same
+    seed, model, data and optimizer, with no process group."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(2)),
+                          nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    losses = []
+    for _ in range(3):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_quickstart_is_at_most_20_lines() -> None:
     assert len(quickstart_code().splitlines()) <= 20
 
 
-def test_quickstart_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
+def test_quickstart_runs_on_two_gloo_ranks(tmp_path: Path, run_inductor_cache_dir: Path) -> None:
     script = tmp_path / "quickstart.py"
     script.write_text(quickstart_code())
     env = {
         **os.environ,
         # This checkout's package, not another installed copy.
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor_cache"),
+        # The run's cache: Inductor's CPU probes there are already compiled.
+        "TORCHINDUCTOR_CACHE_DIR": str(run_inductor_cache_dir),
         # Set, so torchrun prints no banner about it and stderr holds only the script's.
         "OMP_NUM_THREADS": "1",
     }
@@ -65,6 +87,10 @@ def test_quickstart_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert all(sorted(steps) == [0, 1, 2] for steps in losses.values()), proc.stdout
     assert all(math.isfinite(v) for steps in losses.values() for v in steps.values())
     assert losses[0] == losses[1]  # one model, sharded: every rank sees the same loss
+    # The sharded, compiled (Inductor) run trains as the unsharded model does: printed
+    # to 4 decimals, so within half a unit of the last digit (and compile's 1e-6).
+    for step, expected in enumerate(unsharded_reference_losses()):
+        assert abs(losses[0][step] - expected) <= 5e-5 + 1e-6, (step, losses[0], expected)
     assert CONTEXT_FN_WARNING not in proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "warn" in line.lower()]
     assert not warnings, proc.stderr

@@ -8,14 +8,25 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+# A host allocation of this many bytes, made by the caller just before the step, tells
+# the caller's profiler thread id apart from the process group's worker threads.
+_MARKER_BYTES = 7919
 
-def peak_allocated_bytes(step: Callable[[], object], device: str = "cpu") -> int:
+
+def peak_allocated_bytes(step: Callable[[], object], device: str = "cpu",
+                         caller_thread_only: bool = False) -> int:
     """Peak bytes allocated while ``step`` runs, counted from zero at its start: on
     CPU all threads' allocations (CPU allocator), on CUDA the caching allocator's.
 
     Args:
         step: the code to measure.
         device: ``"cpu"`` or ``"cuda"``.
+        caller_thread_only: on CPU, count only allocations and frees made on the
+            calling thread (autograd's CPU backward runs there too), leaving out the
+            process group's own worker threads. Gloo's threads allocate and free
+            scratch buffers of a collective's size; when they free them relative to the
+            caller's allocations is a race, so two libraries are compared fairly
+            without them.
 
     Returns:
         The highest running total of allocations minus frees during ``step``.
@@ -28,13 +39,19 @@ def peak_allocated_bytes(step: Callable[[], object], device: str = "cpu") -> int
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
         step()
+        del marker
     events = sorted(
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
         key=lambda e: e.start_ns(),
     )
+    marker_event = next(e for e in events if e.nbytes() == _MARKER_BYTES)
+    caller = marker_event.start_thread_id()
     current = peak = 0
     for event in events:
+        if caller_thread_only and event.start_thread_id() != caller:
+            continue
         current += event.nbytes()
         peak = max(peak, current)
-    return peak
+    return peak - _MARKER_BYTES

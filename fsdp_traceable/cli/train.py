@@ -25,11 +25,13 @@ from .data import synthetic_batch
 from .launch import resolve_device, run_on_ranks
 
 MODES = ("eager", "compile", "compile-ca")
+BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass(frozen=True)
 class TrainArgs:
     mode: str = "eager"
+    backend: str = "inductor"
     steps: int = 20
     mp: str | None = None
     hsdp: bool = False
@@ -56,6 +58,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default=defaults.mode,
                         help="eager (c10d), compile (whole-model torch.compile), compile-ca "
                              "(+ compiled autograd)")
+    parser.add_argument("--backend", choices=BACKENDS, default=defaults.backend,
+                        help="torch.compile backend of the compiled modes: inductor, or "
+                             "aot_eager / eager to debug the traced graphs without codegen")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--mp", choices=["bf16"], default=None, help="bf16 mixed precision")
     parser.add_argument("--hsdp", action="store_true", help="2-D mesh (replicate, shard)")
@@ -137,8 +142,8 @@ def _train_rank(args: TrainArgs, result_path: str) -> None:
     device = resolve_device(args.device)
     model = build_model(args, device)
     optimizer = make_optimizer(args, model.parameters())
-    forward_counter = CompileCounterWithBackend("inductor")
-    backward_counter = CompileCounterWithBackend("inductor")
+    forward_counter = CompileCounterWithBackend(args.backend)
+    backward_counter = CompileCounterWithBackend(args.backend)
     loss_fn = model.loss
     backward_context = contextlib.nullcontext
     if args.mode != "eager":
@@ -214,7 +219,9 @@ def format_summary(result: dict) -> str:
     args = result["args"]
     steady = sorted(result["step_times_s"][1:] or result["step_times_s"])
     lines = [
-        f"mode {args['mode']}, {args['steps']} steps, world size "
+        f"mode {args['mode']}"
+        f"{'' if args['mode'] == 'eager' else ' (backend ' + args.get('backend', 'inductor') + ')'}"
+        f", {args['steps']} steps, world size "
         f"{args['world_size']}{' (HSDP)' if args['hsdp'] else ''}"
         f"{', bf16 mixed precision' if args['mp'] else ''}",
         f"final loss           {result['losses'][-1]:.6f}  (first {result['losses'][0]:.4f}, "

@@ -83,10 +83,17 @@ def shut_down_process_group() -> None:
 # anything but the variables read at run time spawns its ranks instead; every rank
 # starts with the caller's environment either way. So does a call whose standard output
 # or error is no longer the file the server inherited (a redirected or captured stdout):
-# a forked rank writes to the server's.
+# a forked rank writes to the server's. A caller whose ranks compile with Inductor can
+# have the server run Inductor's per-process CPU probes once
+# (``preload_rank_server(inductor=True)``, before the first rank starts).
 _PRELOADED_MODULES = ["torch", "torch.distributed", "fsdp_traceable"]
-_READ_AT_RUN_TIME = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST"})
-_NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST"})
+_INDUCTOR_WARMUP_MODULE = "fsdp_traceable.testing.inductor_warmup"
+# Inductor writes the address of an object of its own process into this variable
+# before every load of compiled code that reads it (after the first compile, the caller's
+# environment holds it): a rank never needs the caller's value.
+_PROCESS_OWN = frozenset({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
+_READ_AT_RUN_TIME = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST"}) | _PROCESS_OWN
+_NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST"}) | _PROCESS_OWN
 
 
 class _RankStarter:
@@ -97,6 +104,17 @@ class _RankStarter:
         self._lock = threading.Lock()
         self._server_env: dict[str, str] | None = None
         self._server_std_files: tuple | None = None
+        self._preloaded_modules = list(_PRELOADED_MODULES)
+
+    def add_preloaded_module(self, module: str) -> None:
+        """Has the server import ``module`` too; only before the server starts."""
+        with self._lock:
+            if self._server_env is not None:
+                raise RuntimeError(
+                    f"the rank fork server already runs; preload {module!r} before the "
+                    "first local rank or local_rank_context() call")
+            if module not in self._preloaded_modules:
+                self._preloaded_modules.append(module)
 
     @staticmethod
     def _std_files() -> tuple:
@@ -124,7 +142,7 @@ class _RankStarter:
             if self._server_env is None:
                 if server._forkserver_pid is not None:
                     return "spawn"
-                server.set_forkserver_preload(_PRELOADED_MODULES)
+                server.set_forkserver_preload(self._preloaded_modules)
                 server.ensure_running()
                 self._server_env = env
                 self._server_std_files = std_files
@@ -137,6 +155,20 @@ class _RankStarter:
 
 
 _rank_starter = _RankStarter()
+
+
+def preload_rank_server(inductor: bool = False) -> None:
+    """Starts the fork server local ranks come from (see [Note: preloaded rank
+    processes]), if it is not running yet.
+
+    Args:
+        inductor: also run Inductor's CPU instruction-set probes in the server, so that
+            ranks which compile with Inductor skip them (seconds of CPU per rank). Must
+            be passed before the server starts.
+    """
+    if inductor:
+        _rank_starter.add_preloaded_module(_INDUCTOR_WARMUP_MODULE)
+    local_rank_context()
 
 
 def local_rank_context() -> multiprocessing.context.BaseContext:

@@ -27,7 +27,9 @@ def test_eager_training_matches_unsharded_reference_and_learns() -> None:
 
 
 def test_compiled_autograd_training_reports_graphs() -> None:
-    result = train(TrainArgs(mode="compile-ca", steps=3, **TINY))
+    # The counts and the report are the point here; Inductor's compiled autograd is
+    # proven against FSDP2 in tests/fsdp/test_fully_shard.py.
+    result = train(TrainArgs(mode="compile-ca", backend="aot_eager", steps=3, **TINY))
     assert abs(result["final_loss_difference"]) < 1e-5
     assert (result["forward_graphs"], result["backward_graphs"]) == (1, 1)
     assert (result["graph_breaks"], result["recompiles"]) == (0, 0)

@@ -118,7 +118,7 @@ REDUCE_CASES: dict[str, ReduceCase] = {
 TOPOLOGIES: dict[str, Topology] = {
     "world2": Topology(2, compile_gather=("mixed_dtypes",),
                        compile_reduce=("avg_fp32", "fp16_pre_post_divide")),
-    "world4": Topology(4, compile_gather=("fp32",)),
+    "world4": Topology(4),
     "hsdp2x2": Topology(2, 2, compile_reduce=("avg_fp32",)),
 }
 # Topologies of one world size share a spawned run: starting ranks costs more than

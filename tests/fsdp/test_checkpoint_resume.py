@@ -6,8 +6,7 @@ parameters and optimizer state come back bit for bit and training resumed from i
 follows the uninterrupted run's losses and ends at its parameters bit for bit; at 4
 ranks it loads bit for bit too, and a 4-rank checkpoint loads at 2 ranks bit for bit.
 A second 2-rank run from the same seed, in new processes, repeats the losses bit for
-bit; the same run compiled (``torch.compile(fullgraph=True)``) stays within
-``COMPILED_LOSS_TOLERANCE`` of eager.
+bit. (Compiled training against FSDP2 is ``tests/fsdp/test_fully_shard.py``'s.)
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ from tests.fsdp import resume_cases
 from tests.fsdp.feature_cases import assert_bitwise
 from tests.fsdp.resume_cases import RESUME_AT, STEPS
 
-# Measured here: max |loss diff| over the 5 steps, eager vs compiled, about 1e-6
-# (Inductor fuses and reorders float math); the bound leaves an order of magnitude.
-COMPILED_LOSS_TOLERANCE = 1e-5
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 
@@ -81,9 +77,3 @@ def test_same_seed_gives_bitwise_identical_losses(runs):
     for first, second in zip(runs["two"], runs["resume"]):
         assert second["rerun_losses"] == first["losses"]
 
-
-def test_compiled_losses_within_stated_tolerance_of_eager(runs):
-    for eager, compiled in zip(runs["two"], runs["resume"]):
-        diffs = [abs(a - b) for a, b in zip(eager["losses"], compiled["compiled_losses"])]
-        assert len(diffs) == STEPS
-        assert max(diffs) <= COMPILED_LOSS_TOLERANCE, diffs

@@ -56,10 +56,12 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
+# Compiled: Inductor with compiled autograd here; whole-model Inductor compile without it
+# is the README quickstart's test (against the unsharded model), AOTAutograd's eager
+# backend is bf16's below and tests/fsdp/test_compiled_parity.py's.
 @pytest.mark.parametrize(
     "world_size,mode,optim",
-    [(2, "eager", "sgd"), (2, "eager", "adamw"), (4, "eager", "adamw"),
-     (2, "compile", "adamw"), (2, "compile-ca", "sgd"), (2, "compile-ca-aot-eager", "sgd")],
+    [(2, "eager", "sgd"), (2, "eager", "adamw"), (4, "eager", "adamw"), (2, "compile-ca", "sgd")],
 )
 def test_fp32_training_matches_fsdp2_and_unsharded(world_size: int, mode: str, optim: str):
     for rows, base, theirs, ours in run_on_local_ranks(_train_against_fsdp2, world_size, mode, optim, None):
@@ -76,7 +78,7 @@ def test_fp32_training_matches_fsdp2_and_unsharded(world_size: int, mode: str, o
         assert _max_diff(ours, base) <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", ["eager", "compile-ca-aot-eager"])
 def test_bf16_mixed_precision_within_fsdp2_error(mode: str):
     for rows, base, theirs, ours in run_on_local_ranks(_train_against_fsdp2, 2, mode, "adamw", "bf16"):
         fsdp2_error = _max_diff(theirs, base)

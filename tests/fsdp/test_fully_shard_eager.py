@@ -76,7 +76,8 @@ def _memory_body(rank: int, world_size: int) -> dict[str, object]:
     peaks: dict[str, list[int]] = {"fsdp2": [], "ours": []}
     for _ in range(5):
         for name, model in (("fsdp2", theirs), ("ours", ours)):
-            peaks[name].append(peak_allocated_bytes(lambda: model.loss(*data).backward()))
+            peaks[name].append(peak_allocated_bytes(
+                lambda: model.loss(*data).backward(), caller_thread_only=True))
             model.zero_grad(set_to_none=True)
     return {
         "resharded": _unsharded_bytes_saved(True),
@@ -90,9 +91,8 @@ def test_forward_saves_no_unsharded_params_and_peak_not_above_fsdp2() -> None:
         assert result["resharded"] == 0
         # The control: without resharding, autograd saves (views of) every block weight.
         assert result["kept"] >= 4 * CONFIG.n_layers * CONFIG.dim * CONFIG.dim * 4
-        # When gloo's threads release a finished collective's buffers varies from step
-        # to step and only ever adds to a step's peak: compare each library's least
-        # disturbed step.
+        # Allocator traffic between steps varies by a buffer now and then: compare each
+        # library's least disturbed step.
         peaks = result["peaks"]
         assert min(peaks["ours"]) <= min(peaks["fsdp2"]), peaks
 

@@ -22,11 +22,16 @@ def results() -> list[dict]:
     return run_on_local_ranks(cases.pipeline_parity, 4, timeout_s=300)
 
 
+def _per_rank(results: list[dict], schedule: str):
+    """``(rank, theirs, ours)`` for every rank's run of ``schedule``."""
+    for rank, result in enumerate(results):
+        yield rank, result[schedule]["theirs"], result[schedule]["ours"]
+
+
 @pytest.mark.gloo
 @pytest.mark.parametrize("schedule", list(cases.SCHEDULES))
 def test_last_stage_losses_match_fsdp2(results, schedule):
-    for rank, result in enumerate(results):
-        theirs, ours = result[schedule]["theirs"], result[schedule]["ours"]
+    for rank, theirs, ours in _per_rank(results, schedule):
         assert ours["losses"] == theirs["losses"], f"rank {rank}"
         last_stage = rank >= 2  # (pp, dp) mesh: pp rank 1 holds the last stage
         expected = cases.MICROBATCHES if last_stage else 0
@@ -37,8 +42,7 @@ def test_last_stage_losses_match_fsdp2(results, schedule):
 @pytest.mark.gloo
 @pytest.mark.parametrize("schedule", list(cases.SCHEDULES))
 def test_final_shards_match_fsdp2_bitwise(results, schedule):
-    for rank, result in enumerate(results):
-        theirs, ours = result[schedule]["theirs"], result[schedule]["ours"]
+    for rank, theirs, ours in _per_rank(results, schedule):
         assert list(ours["shards"]) == list(theirs["shards"]), f"rank {rank}"
         for name, shard in theirs["shards"].items():
             assert torch.equal(ours["shards"][name], shard), f"rank {rank} {schedule} {name}"
@@ -47,8 +51,7 @@ def test_final_shards_match_fsdp2_bitwise(results, schedule):
 @pytest.mark.gloo
 @pytest.mark.parametrize("schedule", list(cases.SCHEDULES))
 def test_same_collectives_per_step_as_fsdp2(results, schedule):
-    for rank, result in enumerate(results):
-        theirs, ours = result[schedule]["theirs"], result[schedule]["ours"]
+    for rank, theirs, ours in _per_rank(results, schedule):
         assert ours["counts"] == theirs["counts"], f"rank {rank}"
         stages_per_rank = cases.SCHEDULES[schedule][1]
         # One reduce-scatter per group per step (microbatches accumulate unsharded):
