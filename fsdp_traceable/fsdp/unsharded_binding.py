@@ -61,13 +61,19 @@ def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -
     checked and adopted by its group (see [Note: replaced parameters])."""
     group = self.__dict__.get("_fsdp_holders", {}).get(name)
     if group is None:
-        super(type(self), self).register_parameter(name, param)
+        _register_on(self, name, param)
         return
     group.replace_param(self, name, param, _register_on)
 
 
-def _register_on(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    super(type(module), module).register_parameter(name, param)
+def _register_on(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """The ``register_parameter`` the swapped-in classes override: the one after the
+    last class in the MRO that defines ours (a module can be both an owner and an
+    FSDP module, and a later subclass, e.g. torch's parametrizations, sits above both)."""
+    mro = type(module).__mro__
+    last = max(i for i, cls in enumerate(mro)
+               if cls.__dict__.get("register_parameter") is register_parameter)
+    super(mro[last], module).register_parameter(name, param)
 
 
 def owner_class(cls: type, names: tuple[str, ...]) -> type:
