@@ -170,8 +170,7 @@ class ParamGroup(ShardedGroup):
         """Finishes :meth:`unshard`: binds the unsharded parameters to the modules."""
         if self._explicit_unsharded is not None or is_bound(self):
             return
-        if not self._materialized:
-            self._check_materialized()
+        self._check_materialized()
         with torch.enable_grad():  # the forward that uses them may need their backward
             self._explicit_unsharded = unshard_params(self, recompute_in_backward=False)
         bind_unsharded(self, self._explicit_unsharded)
@@ -223,8 +222,7 @@ class ParamGroup(ShardedGroup):
         traced = comm.use_traced_path()
         if self._hooks_hidden and not traced:  # only an eager backward hides them
             self.restore_post_accumulate_hooks()
-        if not self._materialized:
-            self._check_materialized()
+        self._check_materialized()
         args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
         shared = len(self.modules) > 1
         if self._explicit_unsharded is not None:
@@ -333,8 +331,7 @@ class ParamGroup(ShardedGroup):
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
         if not self.sharded_params or self.compiled_on_its_own():
             return
-        if not self._materialized:
-            self._check_materialized()
+        self._check_materialized()
         if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("prefetch: all-gather of group %r issued early", self.name)
@@ -413,7 +410,19 @@ class ParamGroup(ShardedGroup):
 
     def _check_materialized(self) -> None:
         """Raises FSDP2's error if a parameter is still on meta: before the group's first
-        all-gather (forward, ``unshard()`` or a prefetch), outside its autograd bridge."""
+        all-gather (forward, ``unshard()`` or a prefetch), outside its autograd bridge.
+
+        Eagerly the answer is kept until the parameters change. A traced forward checks
+        without reading or writing that flag: whether a parameter is on meta is known
+        while tracing, and a flag read there would be guarded on (and, written there,
+        recompile the next call)."""
+        if torch.compiler.is_compiling():
+            self._raise_if_on_meta()
+        elif not self._materialized:
+            self._raise_if_on_meta()
+            self._materialized = True
+
+    def _raise_if_on_meta(self) -> None:
         on_meta = [fqn for fqn, p in zip(self.fqns, self.sharded_params) if p.is_meta]
         if on_meta:
             raise RuntimeError(
@@ -422,7 +431,6 @@ class ParamGroup(ShardedGroup):
                 "module.to_empty(device) to materialize to device and call "
                 "module.reset_parameters() on each module to initialize values."
             )
-        self._materialized = True
 
     def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
         """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""
