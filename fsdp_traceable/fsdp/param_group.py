@@ -412,13 +412,13 @@ class ParamGroup(ShardedGroup):
         """Raises FSDP2's error if a parameter is still on meta: before the group's first
         all-gather (forward, ``unshard()`` or a prefetch), outside its autograd bridge.
 
-        Eagerly the answer is kept until the parameters change. A traced forward checks
-        without reading or writing that flag: whether a parameter is on meta is known
-        while tracing, and a flag read there would be guarded on (and, written there,
-        recompile the next call)."""
+        Eagerly the answer is kept until the parameters change. A traced forward does
+        not check: reading the flag there would add a guard (and writing it, a
+        recompile), and reading the parameters through the group lets ``dynamic=True``
+        make their shapes symbolic."""
         if torch.compiler.is_compiling():
-            self._raise_if_on_meta()
-        elif not self._materialized:
+            return
+        if not self._materialized:
             self._raise_if_on_meta()
             self._materialized = True
 
