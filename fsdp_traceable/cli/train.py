@@ -218,10 +218,9 @@ def train(args: TrainArgs) -> dict:
 def format_summary(result: dict) -> str:
     args = result["args"]
     steady = sorted(result["step_times_s"][1:] or result["step_times_s"])
+    mode = args["mode"] if args["mode"] == "eager" else f"{args['mode']} (backend {args['backend']})"
     lines = [
-        f"mode {args['mode']}"
-        f"{'' if args['mode'] == 'eager' else ' (backend ' + args.get('backend', 'inductor') + ')'}"
-        f", {args['steps']} steps, world size "
+        f"mode {mode}, {args['steps']} steps, world size "
         f"{args['world_size']}{' (HSDP)' if args['hsdp'] else ''}"
         f"{', bf16 mixed precision' if args['mp'] else ''}",
         f"final loss           {result['losses'][-1]:.6f}  (first {result['losses'][0]:.4f}, "
