@@ -1,5 +1,5 @@
-"""``FSDPModule``: every method a ``fully_shard``-ed module gains, and the class swap
-that lets a module read its unsharded parameters during forward.
+"""``FSDPModule``: every method a ``fully_shard``-ed module gains (the class swap that
+makes a module one is :mod:`.class_swap`).
 
 The setters change the parameter groups' settings through ``ParamGroup.configure``
 (see [Note: group settings]); everything else calls the group's life-cycle methods
@@ -20,7 +20,6 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
 from .forward_hooks import ForwardHooks
-from .module_hooks import InnerHooks
 from .param_group import ParamGroup
 from .setting_checks import (
     check_bool,
@@ -30,19 +29,12 @@ from .setting_checks import (
     fsdp2_comms,
     prefetch_all,
 )
-from .unsharded_binding import param_property, register_parameter
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 log = logging.getLogger(__name__)
 
-# The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
-# per-class cache. They hold no model state (the unsharded parameters live in each
-# module's __dict__), their number is bounded by the program's module classes, and two
-# models of one architecture must get the same classes: Dynamo guards on a module's
-# type, so a class per model would recompile every block of every new model.
-_fsdp_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 class FSDPModule(TorchFSDPModule):
@@ -455,23 +447,3 @@ class _UnshardHandle(UnshardHandle):
         group, self._group = self._group, None
         if group is not None:
             group.wait_for_unshard()
-
-
-def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
-    """``FSDP<cls>``: :class:`FSDPModule` and ``cls``, with a property per parameter
-    name in ``names`` (cached per pair)."""
-    key = (cls, names)
-    if key not in _fsdp_classes:
-        attrs = {name: param_property(name) for name in names}
-        attrs["register_parameter"] = register_parameter
-        _fsdp_classes[key] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
-    return _fsdp_classes[key]
-
-
-def swap_class(module: nn.Module, cls: type) -> None:
-    """Makes ``module`` an instance of ``cls`` (from :func:`fsdp_class` or ``owner_class``)."""
-    module.__dict__.setdefault("_fsdp_unsharded", {})
-    if issubclass(cls, FSDPModule):
-        module.__dict__["_fsdp_forward_hooks"] = ForwardHooks(module)
-        module.__dict__["_fsdp_inner_hooks"] = InnerHooks(module)
-    module.__class__ = cls
