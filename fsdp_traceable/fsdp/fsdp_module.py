@@ -1,5 +1,5 @@
-"""``FSDPModule``: every method a ``fully_shard``-ed module gains, and the class swap
-that lets a module read its unsharded parameters during forward.
+"""``FSDPModule``: every method a ``fully_shard``-ed module gains (the class swap that
+makes a module one is :mod:`.class_swap`).
 
 The setters change the parameter groups' settings through ``ParamGroup.configure``
 (see [Note: group settings]); everything else calls the group's life-cycle methods
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
 from .forward_hooks import ForwardHooks
@@ -28,19 +29,12 @@ from .setting_checks import (
     fsdp2_comms,
     prefetch_all,
 )
-from .unsharded_binding import param_property
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 log = logging.getLogger(__name__)
 
-# The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
-# per-class cache. They hold no model state (the unsharded parameters live in each
-# module's __dict__), their number is bounded by the program's module classes, and two
-# models of one architecture must get the same classes: Dynamo guards on a module's
-# type, so a class per model would recompile every block of every new model.
-_fsdp_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 class FSDPModule(TorchFSDPModule):
@@ -352,13 +346,39 @@ class FSDPModule(TorchFSDPModule):
         self._fsdp_group.refresh_params()
         return result
 
+    def register_forward_pre_hook(self, hook: Callable[..., Any], *, prepend: bool = False,
+                                  with_kwargs: bool = False) -> RemovableHandle:
+        """``nn.Module``'s, in FSDP2's order: the hook runs after the unshard (it sees
+        the unsharded parameters and the cast inputs), or before it with ``prepend=True``.
+        See [Note: forward hook order]."""
+        if prepend:
+            return super().register_forward_pre_hook(hook, prepend=True, with_kwargs=with_kwargs)
+        return self.__dict__["_fsdp_inner_hooks"].add_pre(hook, with_kwargs)
+
+    def register_forward_hook(self, hook: Callable[..., Any], *, prepend: bool = False,
+                              with_kwargs: bool = False, always_call: bool = False
+                              ) -> RemovableHandle:
+        """``nn.Module``'s, in FSDP2's order: the hook runs after the reshard, or before
+        it (first of all) with ``prepend=True``. See [Note: forward hook order]."""
+        if not prepend:
+            return super().register_forward_hook(hook, with_kwargs=with_kwargs,
+                                                 always_call=always_call)
+        return self.__dict__["_fsdp_inner_hooks"].add_post_first(hook, with_kwargs, always_call)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
+        hooks = self.__dict__["_fsdp_inner_hooks"]
         args, kwargs, scope = group.pre_forward(self, args, kwargs)
         try:
+            if hooks.pre:
+                args, kwargs = hooks.run_pre(self, args, kwargs)
             output = super().forward(*args, **kwargs)
+            if hooks.post:
+                output = hooks.run_post(self, args, kwargs, output)
         except BaseException:
             group.abort_forward(scope)
+            if hooks.post_always:
+                hooks.run_always_called(self, args, kwargs)
             raise
         return group.post_forward(self, scope, output)
 
@@ -427,21 +447,3 @@ class _UnshardHandle(UnshardHandle):
         group, self._group = self._group, None
         if group is not None:
             group.wait_for_unshard()
-
-
-def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
-    """``FSDP<cls>``: :class:`FSDPModule` and ``cls``, with a property per parameter
-    name in ``names`` (cached per pair)."""
-    key = (cls, names)
-    if key not in _fsdp_classes:
-        attrs = {name: param_property(name) for name in names}
-        _fsdp_classes[key] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
-    return _fsdp_classes[key]
-
-
-def swap_class(module: nn.Module, cls: type) -> None:
-    """Makes ``module`` an instance of ``cls`` (from :func:`fsdp_class` or ``owner_class``)."""
-    module.__dict__.setdefault("_fsdp_unsharded", {})
-    if issubclass(cls, FSDPModule):
-        module.__dict__["_fsdp_forward_hooks"] = ForwardHooks(module)
-    module.__class__ = cls

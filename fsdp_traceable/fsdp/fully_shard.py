@@ -22,7 +22,8 @@ from .arguments import (
     module_list,
     reshard_after_forward_flag,
 )
-from .fsdp_module import FSDPModule, fsdp_class, swap_class
+from .class_swap import fsdp_class, swap_class
+from .fsdp_module import FSDPModule
 from .param_group import ParamGroup
 from .pipeline_state import register_state
 from .root_state import RootState

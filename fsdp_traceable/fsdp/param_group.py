@@ -4,7 +4,8 @@ pre/post backward.
 
 ``FSDPModule`` calls these methods and nothing else of the group's runtime state,
 which is private here (what the group is, and its settings, are
-:class:`~.sharded_group.ShardedGroup`'s). A forward goes
+:class:`~.sharded_group.ShardedGroup`'s; how it gathers its parameters,
+:class:`~.group_all_gather.GatheringGroup`'s). A forward goes
 ``FSDPModule.forward -> ParamGroup.pre_forward -> unshard_params -> collectives``;
 a backward ``UnshardParams.backward -> ParamGroup.post_backward -> collectives`` and,
 eager, on to the model's reduction queue, which writes ``.grad``.
@@ -19,29 +20,28 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..collectives import comm, foreach_all_gather, foreach_all_gather_copy_out
+from ..collectives import comm
 from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import phase
-from .all_gather_extensions import PendingUnshard, all_gather_inputs, unsharded_from_outputs
+from . import post_accumulate_hooks
 from .autograd_bridge import unshard_params
-from .eager_state import EagerState
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
+from .group_all_gather import GatheringGroup
 from .reduce_queue import GradientTarget
 from .root_state import RootState
-from .sharded_group import ShardedGroup
-from .sharded_params import pinned
+from .sharded_params import check_replacement
 from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
 
 log = logging.getLogger(__name__)
 
 
-class ParamGroup(ShardedGroup):
-    """A :class:`~.sharded_group.ShardedGroup` with its runtime state and life cycle.
+class ParamGroup(GatheringGroup):
+    """A :class:`~.group_all_gather.GatheringGroup` with its runtime state and life cycle.
 
     The runtime state: parameters gathered by :meth:`unshard` for the next forward,
     a ``fully_shard([a, b])`` group's forward pass in progress (its parameters and the
-    modules still to run), and, in eager mode only, an :class:`EagerState`.
+    modules still to run), and, in eager mode only, the gathering's ``EagerState``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -59,9 +59,8 @@ class ParamGroup(ShardedGroup):
         # On the root group: the fully_shard([a, b]) groups below it, whose forward
         # pass ends with the root's forward at the latest.
         self._list_groups: list[ParamGroup] = []
-        # Eager-only state between calls (prefetch, parameters kept for backward,
-        # no-sync gradient accumulation).
-        self._eager = EagerState()
+        # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
+        self._hooks_hidden = False
 
     def link(self, *, name: str, is_root: bool, prefetch_backward: Callable[[], None] | None,
              root_state: RootState, list_groups: list[ParamGroup]) -> None:
@@ -83,23 +82,43 @@ class ParamGroup(ShardedGroup):
             self.prefetch_backward = prefetch_backward
         self._list_groups = list_groups
 
-    @property
-    def has_prefetch(self) -> bool:
-        """Whether an eager all-gather issued ahead of its use is in flight."""
-        return self._eager.prefetched is not None
+    # [Note: replaced parameters]
+    # ``module.weight = nn.Parameter(...)`` on a module holding a sharded parameter, or
+    # ``load_state_dict(assign=True)``, goes through ``register_parameter``, which the
+    # classes fully_shard swaps in override (``unsharded_binding.register_parameter``):
+    # the new parameter is checked here first (an nn.Parameter(DTensor) with the old
+    # layout, else TypeError/ValueError, nothing changed), then set on every holder of a
+    # tied parameter and adopted by the group, whose next all-gather gathers it. FSDP2
+    # adopts it at its lazy init (the first forward) and after load_state_dict; a later
+    # replacement it silently reverts at its next unshard, where ours adopts it too.
 
-    def refresh_params(self) -> None:
-        """Re-reads the sharded parameters from their modules (after ``module._apply``,
-        e.g. ``to_empty``, may have replaced them) and re-pins offloaded shards."""
-        for owner, name, index in self.bindings:
-            param = owner._parameters[name]
-            if self.pin_memory and not param._local_tensor.is_pinned():
-                # As FSDP2: shards materialized on the device (to_empty(device="cuda"))
-                # go back to host memory.
-                param._local_tensor = pinned(param._local_tensor.cpu())
-            self.sharded_params[index] = param
-        _ = self.extensions  # malformed hooks of the new local tensors raise now
-        self._eager.reset()
+    def replace_param(self, owner: nn.Module, name: str, param: nn.Parameter | None,
+                      register: Callable[[nn.Module, str, nn.Parameter], None]) -> None:
+        """Sets ``owner.<name>`` (a holder of one of the group's parameters) to ``param``
+        and adopts it. See [Note: replaced parameters].
+
+        Args:
+            owner: the module whose attribute is set.
+            name: the attribute.
+            param: the new parameter.
+            register: ``register(module, name, param)`` registers it on one holder.
+
+        Raises:
+            TypeError, ValueError: ``param`` cannot replace the sharded parameter, or
+                the group's parameters are in use (unsharded or being gathered).
+        """
+        index = next(i for o, n, i in self.bindings if o is owner and n == name)
+        check_replacement(self.fqns[index], self.sharded_params[index], param)
+        if is_bound(self) or self.has_prefetch or self._explicit_unsharded is not None:
+            raise ValueError(
+                f"parameter {self.fqns[index]!r} was replaced while its group's parameters "
+                "are unsharded (during forward, or after unshard()): replace it between "
+                "steps, after reshard()"
+            )
+        for holder, holder_name, i in self.bindings:
+            if i == index:
+                register(holder, holder_name, param)
+        self.refresh_params()
 
     # -- unshard, wait, reshard ------------------------------------------------------
 
@@ -125,6 +144,7 @@ class ParamGroup(ShardedGroup):
         """Finishes :meth:`unshard`: binds the unsharded parameters to the modules."""
         if self._explicit_unsharded is not None or is_bound(self):
             return
+        self._check_materialized()
         with torch.enable_grad():  # the forward that uses them may need their backward
             self._explicit_unsharded = unshard_params(self, recompute_in_backward=False)
         bind_unsharded(self, self._explicit_unsharded)
@@ -136,10 +156,7 @@ class ParamGroup(ShardedGroup):
             self._explicit_unsharded = None
             unbind_unsharded(self)
         with phase("reshard", self.name):
-            pending, _ = self._eager.take_prefetched()
-            if pending is not None:
-                # Complete the collective every rank joined.
-                foreach_all_gather_copy_out(pending.result)
+            self._drop_prefetched()
             self._eager.drop_unsharded()
 
     def reset_iter_state(self) -> None:
@@ -174,6 +191,9 @@ class ParamGroup(ShardedGroup):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                      ) -> tuple[tuple, dict, ForwardScope]:
         traced = comm.use_traced_path()
+        if self._hooks_hidden and not traced:  # only an eager backward hides them
+            self.restore_post_accumulate_hooks()
+        self._check_materialized()
         args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
         shared = len(self.modules) > 1
         if self._explicit_unsharded is not None:
@@ -278,48 +298,6 @@ class ParamGroup(ShardedGroup):
 
     # -- all-gather -----------------------------------------------------------------------
 
-    def prefetch(self) -> None:
-        """Eager: issues this group's all-gather now, to overlap the compute before it."""
-        if not self.sharded_params or self.compiled_on_its_own():
-            return
-        if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("prefetch: all-gather of group %r issued early", self.name)
-            self._eager.keep_prefetched(self.start_all_gather(), self._local_versions())
-
-    def compiled_on_its_own(self) -> bool:
-        """Whether a module of the group was compiled by itself (``module.compile()``, as
-        per-block compile does): its graph gathers the parameters, so an eager prefetch
-        from the module before it would never be used."""
-        return any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
-
-    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight.
-
-        Called by the group's autograd bridge (``UnshardParams``) with the sharded
-        local tensors it differentiates through.
-        """
-        if comm.use_traced_path():
-            return self.finish_all_gather(self._start_all_gather(list(sharded_locals), None))
-        if self._eager.unsharded_for_backward is not None:
-            # Kept by a backward with reshard_after_backward=False: like FSDP2, the
-            # next forward uses them whatever the flag says now.
-            return self._eager.unsharded_for_backward
-        kept = self._eager.forward_unsharded(self._local_versions())
-        if kept is not None:
-            # Gathered by an earlier forward of this group, which does not reshard after
-            # forward, and not resharded by a backward since: like FSDP2, still unsharded.
-            return kept
-        pending = self._take_prefetched()
-        if pending is None:
-            pending = self.start_all_gather()
-        unsharded = self.finish_all_gather(pending)
-        if self.post_forward_mesh is not None:
-            # FSDP2 keeps this piece from the forward's end until the next all-gather;
-            # it is taken now, while the all-gather output is alive.
-            self._eager.keep_piece(self.post_forward_mesh.keep(pending), self._local_versions())
-        return unsharded
-
     @property
     def has_trainable_params(self) -> bool:
         """Whether a backward can reach this group's gradient reduction."""
@@ -329,50 +307,6 @@ class ParamGroup(ShardedGroup):
         """Eager no-sync microbatches' gradients (by parameter index), for a compiled
         forward to pass to its backward as inputs; clears them."""
         return self._eager.take_accumulated_grads()
-
-    def start_all_gather(self) -> PendingUnshard:
-        """Starts the group's all-gather (eager), from the post-forward piece when one is
-        kept; finish it with :meth:`finish_all_gather`."""
-        with phase("all_gather", self.name):
-            kept, versions = self._eager.take_piece()
-            if (kept is not None and self.post_forward_mesh is not None
-                    and versions == self._local_versions()):
-                return self.post_forward_mesh.regather(kept, self.all_gather_comm)
-            return self._start_all_gather(
-                [p._local_tensor for p in self.sharded_params], streams=self.streams
-            )
-
-    def _start_all_gather(
-        self, sharded_locals: list[torch.Tensor], streams: comm.DeviceStreams | None
-    ) -> PendingUnshard:
-        sharded_locals = self._on_device(sharded_locals)
-        # Traced too: Dynamo guards on the hooks it finds, so hooks set later recompile.
-        extensions = self.extensions
-        if all(extension is None for extension in extensions):
-            result = foreach_all_gather(sharded_locals, self.infos, self.shard_group,
-                                        streams=streams, all_gather_comm=self.all_gather_comm,
-                                        check=False)
-            return PendingUnshard(result, None)
-        hook_inputs = all_gather_inputs(sharded_locals, self.infos, extensions)
-        result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, self.shard_group,
-                                    streams=streams, all_gather_comm=self.all_gather_comm)
-        return PendingUnshard(result, hook_inputs)
-
-    def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
-        """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""
-        with phase("all_gather_copy_out", self.name):
-            outputs = foreach_all_gather_copy_out(pending.result)
-            if pending.hook_inputs is None:
-                return outputs
-            return unsharded_from_outputs(outputs, pending.hook_inputs)
-
-    def _take_prefetched(self) -> PendingUnshard | None:
-        """The prefetched all-gather, unless a parameter changed since it was issued."""
-        pending, versions = self._eager.take_prefetched()
-        if pending is not None and versions != self._local_versions():
-            foreach_all_gather_copy_out(pending.result)  # complete the collective every rank joined
-            pending = None
-        return pending
 
     # -- backward -------------------------------------------------------------------------
 
@@ -447,6 +381,18 @@ class ParamGroup(ShardedGroup):
             self.post_backward((None,) * len(self.sharded_params))
         elif self.reshard_after_backward:
             self._eager.end_backward(reshard_after_backward=True)
+
+    def hide_post_accumulate_hooks(self) -> None:
+        """Eager backward: autograd must not run the parameters' post-accumulate-grad
+        hooks; the reduction does (see [Note: post-accumulate-grad hooks in eager backward])."""
+        if post_accumulate_hooks.hide(self.sharded_params):
+            self._hooks_hidden = True
+
+    def restore_post_accumulate_hooks(self) -> None:
+        """Puts back what :meth:`hide_post_accumulate_hooks` took (none ran meanwhile)."""
+        self._hooks_hidden = False
+        for param in self.sharded_params:
+            post_accumulate_hooks.restore(param)
 
     def finish_reductions(self) -> None:
         """Finishes the model's eager gradient reductions in flight (writing ``.grad``),

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..collectives import accumulate_sharded_grad
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
 from ..profiler_labels import phase
+from . import post_accumulate_hooks
 from .eager_state import EagerState
 
 
@@ -85,4 +86,6 @@ class ReduceQueue:
             param = target.params[i]
             # A zero-size parameter gets no gradient, as through autograd (see unshard_params).
             if param.numel():
+                # Run below: see [Note: post-accumulate-grad hooks in eager backward].
+                post_accumulate_hooks.restore(param)
                 accumulate_sharded_grad(param, grad)

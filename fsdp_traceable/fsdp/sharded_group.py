@@ -210,6 +210,8 @@ class ShardedGroup:
         self.bindings.append((owner, name, index))
         if self.first_holders[index] is None:
             self.first_holders[index] = owner
+        # For a replacement of the attribute (see [Note: replaced parameters]).
+        owner.__dict__.setdefault("_fsdp_holders", {})[name] = self
 
     def _on_device(self, sharded_locals: list[torch.Tensor]) -> list[torch.Tensor]:
         """CPU offload: the host-to-device copy of the shards before their all-gather."""

@@ -97,3 +97,44 @@ def pinned(local: torch.Tensor) -> torch.Tensor:
             f"memory ({err}): pinning needs an accelerator; pass "
             "CPUOffloadPolicy(pin_memory=False) on a machine without one"
         ) from err
+
+
+def check_replacement(fqn: str, old: nn.Parameter, new: nn.Parameter | None) -> None:
+    """Raises unless ``new`` can take the place of the sharded parameter ``old``.
+
+    See [Note: replaced parameters].
+
+    Args:
+        fqn: the parameter's name in its group, for the message.
+        old: the sharded parameter ``fully_shard`` made (or the last one adopted).
+        new: what the module attribute is being set to.
+
+    Raises:
+        TypeError: ``new`` is not an ``nn.Parameter`` wrapping a ``DTensor``.
+        ValueError: its mesh, placements, shape, stride, local shape, dtype or device
+            (unless ``old`` is on meta) differ from ``old``'s.
+    """
+    fix = ("build the new parameter with the old one's layout, e.g. nn.Parameter("
+           "distribute_tensor(full, old.device_mesh, old.placements)), or copy the values "
+           "into the sharded parameter in place (with torch.no_grad(): old.copy_(new))")
+    if not isinstance(new, nn.Parameter) or not isinstance(new, DTensor):
+        what = "None" if new is None else f"a {type(new).__name__} of shape {tuple(new.shape)}"
+        raise TypeError(
+            f"parameter {fqn!r} of a fully_shard-ed module was set to {what}; fully_shard "
+            f"manages it as an nn.Parameter(DTensor) sharded on its mesh: {fix}"
+        )
+    # A parameter still on meta takes a materialized one (torch's set_model_state_dict
+    # loads into a meta-built model with assign=True).
+    device = new._local_tensor.device if old.is_meta else old._local_tensor.device
+    layout = (old.device_mesh, old.placements, old.shape, old.stride(), old.dtype,
+              old._local_tensor.shape, device)
+    given = (new.device_mesh, new.placements, new.shape, new.stride(), new.dtype,
+             new._local_tensor.shape, new._local_tensor.device)
+    if layout != given:
+        names = ("mesh", "placements", "shape", "stride", "dtype", "local shape", "device")
+        diffs = [f"{n} {g} (expected {e})" for n, e, g in zip(names, layout, given) if e != g]
+        raise ValueError(
+            f"parameter {fqn!r} of a fully_shard-ed module was replaced by a DTensor laid "
+            f"out differently: {', '.join(diffs)}; {fix} (module.to(dtype) changes the "
+            "dtype of every parameter)"
+        )

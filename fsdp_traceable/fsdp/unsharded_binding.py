@@ -55,11 +55,34 @@ def param_property(name: str) -> property:
     return property(get)
 
 
+def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """``nn.Module.register_parameter`` of the swapped-in classes: ``module.weight = ...``
+    and ``load_state_dict(assign=True)`` come here. A sharded parameter's replacement is
+    checked and adopted by its group (see [Note: replaced parameters])."""
+    group = self.__dict__.get("_fsdp_holders", {}).get(name)
+    if group is None:
+        _register_on(self, name, param)
+        return
+    group.replace_param(self, name, param, _register_on)
+
+
+def _register_on(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """The ``register_parameter`` the swapped-in classes override: the one after the
+    last class in the MRO that defines ours (a module can be both an owner and an
+    FSDP module, and a later subclass, e.g. torch's parametrizations, sits above both)."""
+    mro = type(module).__mro__
+    last = max(i for i, cls in enumerate(mro)
+               if cls.__dict__.get("register_parameter") is register_parameter)
+    super(mro[last], module).register_parameter(name, param)
+
+
 def owner_class(cls: type, names: tuple[str, ...]) -> type:
-    """``cls`` with a property per parameter name in ``names`` (cached per pair)."""
+    """``cls`` with a property per parameter name in ``names`` (cached per pair), and
+    :func:`register_parameter`."""
     key = (cls, names)
     if key not in _owner_classes:
         attrs = {name: param_property(name) for name in names}
+        attrs["register_parameter"] = register_parameter
         _owner_classes[key] = type(cls.__name__, (cls,), attrs)
     return _owner_classes[key]
 

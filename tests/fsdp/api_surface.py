@@ -4,8 +4,9 @@ Introspects both libraries: a row per FSDP2 name (``torch.distributed.fsdp``'s F
 exports, and every public method of its ``FSDPModule``), with its status computed, not
 written: *same* (our signature equals FSDP2's, or torch's own object serves), *differs*
 (implemented, with the difference stated in :data:`DIFFERENCES`) or *missing* (raises
-``NotImplementedError``). ``python -m tests.fsdp.api_surface`` prints the table;
-``tests/fsdp/test_api_surface.py`` checks ``docs/api.md`` holds it.
+``NotImplementedError``). ``python -m tests.fsdp.api_surface`` prints the table, then
+the late-attachment table (:data:`LATE_ATTACHMENT`: what a user changes or attaches after ``fully_shard``);
+``tests/fsdp/test_api_surface.py`` checks ``docs/api.md`` holds both.
 """
 
 from __future__ import annotations
@@ -118,6 +119,67 @@ def rows() -> list[tuple[str, str, str]]:
     return table
 
 
+# What a user changes or attaches after fully_shard: (what, status, how, proof). The
+# proof is a case of tests/fsdp/late_attachment_cases.py (against FSDP2, 2 gloo ranks,
+# bitwise) or a test file; tests/fsdp/test_api_surface.py checks each one exists.
+LATE_ATTACHMENT = [
+    ("`p.requires_grad_(False)` / `(True)` between steps", "same",
+     "read at every all-gather, as FSDP2: a frozen parameter gets no gradient",
+     "freeze_between_steps"),
+    ("`register_forward_pre_hook` before `fully_shard`, or after it", "same",
+     "runs after the unshard: sees the unsharded parameters and the cast inputs; "
+     "after `fully_shard` with `prepend=True`: before it (sharded parameters)",
+     "module_hooks"),
+    ("`register_forward_hook` before `fully_shard`, or after it", "same",
+     "registered before `fully_shard` or with `prepend=True`: runs before the reshard "
+     "(unsharded parameters); otherwise after it", "module_hooks"),
+    ("`register_full_backward_hook`", "differs",
+     "same gradients; where `mp_policy` casts the module's own floating-point inputs, "
+     "`grad_input` is taken before that cast (FSDP2: after it)",
+     "tests/fsdp/test_late_attachment.py"),
+    ("`Tensor.register_post_accumulate_grad_hook` on a sharded parameter", "same",
+     "runs once per reduction, on the sharded `.grad`; not in no-sync microbatches",
+     "post_accumulate_grad_hook"),
+    ("`set_reshard_after_forward` / `_backward`, `set_gradient_divide_factor`, "
+     "`set_reduce_scatter_divide_factor`, `set_modules_to_forward_prefetch` between steps",
+     "same", "take effect at the next forward or backward", "settings_between_steps"),
+    ("`set_all_reduce_hook`, `set_post_optim_event` between steps", "same",
+     "read at each reduction / the next copy-in (the parity test sets them before the "
+     "first step)", "tests/fsdp/test_module_settings_parity.py"),
+    ("`module.weight = nn.Parameter(DTensor)` before the first forward", "same",
+     "adopted (same layout required)", "replace_before_first_forward"),
+    ("`module.weight = nn.Parameter(DTensor)` after the first forward", "differs",
+     "ours adopts it at the assignment; FSDP2 (by its code: its lazy init has run) keeps "
+     "gathering the old parameter and puts it back on the module at its next reshard",
+     "replace_between_steps"),
+    ("`module.weight = ` a plain `nn.Parameter`, `None`, or another layout", "differs",
+     "`TypeError` / `ValueError` at the assignment, naming the parameter and the fix "
+     "(FSDP2: `AttributeError` at the first forward)", "replace_with_plain_parameter"),
+    ("`load_state_dict(state, assign=True)` between steps", "same",
+     "the loaded parameters are adopted", "load_state_dict_assign"),
+    ("`module.to(dtype)` / `module.float()` after `fully_shard`", "same",
+     "parameters re-read", "to_dtype_before_forward"),
+    ("`module.apply(init_fn)` between steps", "same", "in place on the shards",
+     "apply_init_between_steps"),
+    ("meta device: `to_empty(device=...)`, then `init_weights`", "same",
+     "parameters re-read", "tests/fsdp/test_meta_init_parity.py"),
+    ("meta device: a forward before `to_empty`", "same",
+     "FSDP2's `RuntimeError` before the group's first all-gather",
+     "tests/fsdp/test_late_attachment.py"),
+    ("`fsdp_pre_all_gather` / `fsdp_post_all_gather` set on a local shard", "same",
+     "looked up at every all-gather", "tests/fsdp/test_all_gather_extensions.py"),
+]
+
+
+def late_attachment_table() -> str:
+    """The late-attachment table of ``docs/api.md``, as markdown."""
+    lines = ["| after `fully_shard` | ours | how | proof |", "|---|---|---|---|"]
+    for what, status, how, proof in LATE_ATTACHMENT:
+        proof = f"`{proof}`" if proof.startswith("tests/") else f"`{proof}` case"
+        lines.append(f"| {what} | {status} | {how} | {proof} |")
+    return "\n".join(lines) + "\n"
+
+
 def api_table() -> str:
     """The API table of ``docs/api.md``, as markdown."""
     lines = ["| FSDP2 | ours | how / why |", "|---|---|---|"]
@@ -126,4 +188,5 @@ def api_table() -> str:
 
 
 if __name__ == "__main__":
-    print(api_table(), end="")
+    print(api_table())
+    print(late_attachment_table(), end="")

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 import fsdp_traceable
-from fsdp_traceable.fsdp import param_group
+from fsdp_traceable.fsdp import group_all_gather
 from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp.feature_cases import record_all_gathers
@@ -304,7 +304,7 @@ def test_unpadded_input_of_uneven_shard_raises_before_the_all_gather(monkeypatch
             _linear_with(_UnpaddedWeight, out_features=13), mesh=init_device_mesh("cpu", (2,))
         )
         started = []
-        monkeypatch.setattr(param_group, "foreach_all_gather", lambda *a, **k: started.append(a))
+        monkeypatch.setattr(group_all_gather, "foreach_all_gather", lambda *a, **k: started.append(a))
         with pytest.raises(ValueError, match=r"'weight'.*padded sharded size \(7, 16\)"):
             linear(torch.randn(3, 16))
         assert started == []

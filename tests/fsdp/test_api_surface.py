@@ -7,14 +7,32 @@ from pathlib import Path
 import torch.distributed.fsdp as fsdp2
 
 import fsdp_traceable
-from tests.fsdp.api_surface import DIFFERENCES, MISSING_BECAUSE, api_table, rows
+from tests.fsdp import test_late_attachment
+from tests.fsdp.api_surface import (
+    DIFFERENCES,
+    LATE_ATTACHMENT,
+    MISSING_BECAUSE,
+    api_table,
+    late_attachment_table,
+    rows,
+)
 
-API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+ROOT = Path(__file__).resolve().parents[2]
+API_DOC = ROOT / "docs" / "api.md"
 
 
 def test_api_doc_holds_the_generated_api_table():
     """Regenerate with ``python -m tests.fsdp.api_surface`` when the surface changes."""
     assert api_table() in API_DOC.read_text()
+
+
+def test_api_doc_holds_the_generated_late_attachment_table():
+    """Each row's proof is a case of ``late_attachment_cases`` the test runs, or a file."""
+    assert late_attachment_table() in API_DOC.read_text()
+    run = {name for name, _, _ in test_late_attachment.CASES}
+    for _, status, _, proof in LATE_ATTACHMENT:
+        assert status in ("same", "differs")
+        assert (ROOT / proof).is_file() if proof.startswith("tests/") else proof in run
 
 
 def test_every_fsdp_module_method_of_torch_is_listed():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsdp_traceable.fsdp.gradient_reduction as gradient_reduction_module
-import fsdp_traceable.fsdp.param_group as param_group_module
+import fsdp_traceable.fsdp.group_all_gather as group_all_gather_module
 from fsdp_traceable.cli.memory import peak_allocated_bytes
 from fsdp_traceable.fsdp.saved_unsharded import SavedUnsharded
 from fsdp_traceable.models.transformer import TransformerConfig
@@ -35,7 +35,7 @@ def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
     # Holding the tensors keeps their addresses from being reused by activations.
     unsharded_storages: dict[int, torch.Tensor] = {}
     saved_bytes = 0
-    original_copy_out = param_group_module.foreach_all_gather_copy_out
+    original_copy_out = group_all_gather_module.foreach_all_gather_copy_out
     original_pack = SavedUnsharded._pack
 
     def recording_copy_out(result):
@@ -50,14 +50,14 @@ def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
             saved_bytes += tensor.untyped_storage().nbytes()
         return packed
 
-    param_group_module.foreach_all_gather_copy_out = recording_copy_out
+    group_all_gather_module.foreach_all_gather_copy_out = recording_copy_out
     SavedUnsharded._pack = lambda self, t: record(t, original_pack(self, t))
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: record(t, t), lambda t: t):
             loss = model.loss(*batch(0, torch.distributed.get_rank(), 2, CONFIG))
         loss.backward()  # backward still works: it re-gathers what forward did not keep
     finally:
-        param_group_module.foreach_all_gather_copy_out = original_copy_out
+        group_all_gather_module.foreach_all_gather_copy_out = original_copy_out
         SavedUnsharded._pack = original_pack
     return saved_bytes
 
@@ -103,7 +103,7 @@ def _order_body(rank: int, world_size: int) -> list[tuple[str, str]]:
     names = {id(model._fsdp_group.infos[0]): "root"}
     names.update({id(layer._fsdp_group.infos[0]): f"block{i}" for i, layer in enumerate(model.layers)})
     events: list[tuple[str, str]] = []
-    original_gather = param_group_module.foreach_all_gather
+    original_gather = group_all_gather_module.foreach_all_gather
     original_reduce = gradient_reduction_module.start_foreach_reduce
 
     def gather(tensors, infos, *args, **kwargs):
@@ -119,14 +119,14 @@ def _order_body(rank: int, world_size: int) -> list[tuple[str, str]]:
             lambda *_, i=i: events.append(("forward_compute", f"block{i}")))
         layer.attention_norm.register_full_backward_pre_hook(
             lambda *_, i=i: events.append(("backward_compute_end", f"block{i}")))
-    param_group_module.foreach_all_gather = gather
+    group_all_gather_module.foreach_all_gather = gather
     gradient_reduction_module.start_foreach_reduce = reduce
     try:
         for step in range(2):
             events.clear()
             model.loss(*batch(step, rank, world_size, CONFIG)).backward()
     finally:
-        param_group_module.foreach_all_gather = original_gather
+        group_all_gather_module.foreach_all_gather = original_gather
         gradient_reduction_module.start_foreach_reduce = original_reduce
     return events
 

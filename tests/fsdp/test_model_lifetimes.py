@@ -33,7 +33,7 @@ _REGISTRIES: dict[str, Callable[[], int]] = {
     "install._predicates": lambda: len(_module("backward_regions.install")._predicates),
     "install._outlined": lambda: len(_module("backward_regions.install")._outlined),
     "fully_shard._replaced_params": lambda: len(_module("fsdp.fully_shard")._replaced_params),
-    "fsdp_module._fsdp_classes": lambda: len(_module("fsdp.fsdp_module")._fsdp_classes),
+    "class_swap._fsdp_classes": lambda: len(_module("fsdp.class_swap")._fsdp_classes),
     "unsharded_binding._owner_classes": lambda: len(
         _module("fsdp.unsharded_binding")._owner_classes),
 }

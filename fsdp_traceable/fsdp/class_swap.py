@@ -1,0 +1,39 @@
+"""The class swap that makes a module an ``FSDPModule``: ``FSDP<cls>`` with a property
+per sharded parameter, so the module reads its unsharded parameters during forward.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .forward_hooks import ForwardHooks
+from .fsdp_module import FSDPModule
+from .module_hooks import InnerHooks
+from .unsharded_binding import param_property, register_parameter
+
+# The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
+# per-class cache. They hold no model state (the unsharded parameters live in each
+# module's __dict__), their number is bounded by the program's module classes, and two
+# models of one architecture must get the same classes: Dynamo guards on a module's
+# type, so a class per model would recompile every block of every new model.
+_fsdp_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
+    """``FSDP<cls>``: :class:`FSDPModule` and ``cls``, with a property per parameter
+    name in ``names`` (cached per pair)."""
+    key = (cls, names)
+    if key not in _fsdp_classes:
+        attrs = {name: param_property(name) for name in names}
+        attrs["register_parameter"] = register_parameter
+        _fsdp_classes[key] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
+    return _fsdp_classes[key]
+
+
+def swap_class(module: nn.Module, cls: type) -> None:
+    """Makes ``module`` an instance of ``cls`` (from :func:`fsdp_class` or ``owner_class``)."""
+    module.__dict__.setdefault("_fsdp_unsharded", {})
+    if issubclass(cls, FSDPModule):
+        module.__dict__["_fsdp_forward_hooks"] = ForwardHooks(module)
+        module.__dict__["_fsdp_inner_hooks"] = InnerHooks(module)
+    module.__class__ = cls
