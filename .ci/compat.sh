@@ -17,7 +17,7 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # Ops and their fake impls, fully_shard eager and compile + compiled autograd against
 # FSDP2 on a small model (2 gloo ranks: the collectives' eager and traced paths), a
 # float8-style weight's all-gather hooks traced by Dynamo, the graph-break tests, the
-# recompile tests of the train loop, train/eval and dynamic batch size, the compiled
+# recompile tests of the train loop and dynamic batch size, the compiled
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
 # (hooked into compiled autograd, feature-detected), and the patches of torch (each one
 # applied, and still needed on this torch). The main job runs the rest on the pinned torch.
@@ -36,7 +36,6 @@ SUBSET=(
   "$EXTENSIONS::test_hooks_are_inlined_not_graph_ops"
   compile_tests/test_graph_breaks.py
   "$RECOMPILES::test_ten_steps_compile_once"
-  "$RECOMPILES::test_train_eval_switch_compiles_each_mode_once"
   "$RECOMPILES::test_changing_batch_size_with_dynamic_true_compiles_once"
   tests/backward_regions/test_outline.py
   compile_tests/test_block_compile.py::test_compiled_autograd_traces_one_block_backward

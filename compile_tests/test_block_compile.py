@@ -8,6 +8,7 @@ graph holds its group's all-gather (and, in backward, the reduce-scatter and the
 re-gather of reshard-after-forward). Compiled autograd pastes each block's backward
 as one call of a shared region (``fsdp_traceable.backward_regions``), so the backward
 is traced and compiled once too, with every block's collectives outside the region.
+Its numbers against FSDP2, over changing shapes and models: ``test_recipes.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from fsdp_traceable.models.transformer import (
     shard_transformer,
 )
 from fsdp_traceable.testing import count_collectives, track_compiles
-from tests.fsdp.parity_utils import full_params, shard_copies
 
 
 def _config(n_layers: int) -> TransformerConfig:
@@ -55,15 +55,10 @@ def _compile_blocks(model: Transformer, backend) -> None:
 
 
 def _train(model: Transformer, steps: int, backward_compiler=None) -> list[float]:
-    return _train_on_batches(model, [_data() for _ in range(steps)], backward_compiler)
-
-
-def _train_on_batches(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                      backward_compiler=None) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for batch in batches:
-        loss = model.loss(*batch)
+    for _ in range(steps):
+        loss = model.loss(*_data())
         context = (torch._dynamo.compiled_autograd._enable(backward_compiler)
                    if backward_compiler is not None else contextlib.nullcontext())
         with context:
@@ -132,76 +127,3 @@ def test_without_backward_regions_every_block_backward_is_pasted(fake_world: Non
     (graph,) = backward.graphs
     assert _region_calls(graph) == []
     assert count_collectives(graph)["reduce_scatter"] == 3
-
-
-def test_per_block_compile_matches_eager(one_gloo_rank: None) -> None:
-    eager, compiled = _model(2), _model(2)
-    forward = CompileCounterWithBackend("aot_eager")
-    _compile_blocks(compiled, forward)
-    expected = _train(eager, 2)
-    backward = CompileCounterWithBackend("aot_eager")
-    with track_compiles() as record:
-        # Backward: compiled autograd's one graph for the whole model.
-        losses = _train(compiled, 2, torch.compile(backend=backward, fullgraph=True))
-    assert forward.frame_count == 1
-    assert record.recompiles == []
-    assert record.graph_breaks.count == 0, record.graph_breaks.reasons
-    assert record.compiled_autograd_captures == 1
-    assert len(_region_calls(backward.graphs[0])) == 2  # the blocks' backward: regions
-    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
-    for ours, reference in zip(compiled.parameters(), eager.parameters()):
-        torch.testing.assert_close(ours.full_tensor(), reference.full_tensor(),
-                                   rtol=0, atol=1e-5)
-
-
-# -- dynamic shapes: changing sequence lengths, then a second model -------------------
-
-
-def _dynamic_config(dim: int) -> TransformerConfig:
-    return TransformerConfig(vocab_size=64, dim=dim, n_layers=2, n_heads=4, max_seq_len=16)
-
-
-def _batch(step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(10 + step)
-    tokens = torch.randint(0, 64, (2, seq_len), generator=generator)
-    return tokens, torch.randint(0, 64, (2, seq_len), generator=generator)
-
-
-def _train_on(model: Transformer, seq_lens: list[int], backward_compiler=None) -> list[float]:
-    batches = [_batch(step, seq_len) for step, seq_len in enumerate(seq_lens)]
-    return _train_on_batches(model, batches, backward_compiler)
-
-
-def test_per_block_compile_with_changing_shapes_matches_fsdp2(one_gloo_rank: None) -> None:
-    """Backwards with symbolic sizes are outlined and train with FSDP2's numbers: a
-    sequence length that changes (16, 12, 16), then a second model of another width,
-    whose recompiled block Dynamo makes dynamic in the width (automatic dynamic
-    shapes), in the same process."""
-    forward = CompileCounterWithBackend("aot_eager")
-    backward = CompileCounterWithBackend("aot_eager")
-    backward_compiler = torch.compile(backend=backward, fullgraph=True)
-    with track_compiles() as record:
-        for dim, seq_lens in ((32, [16, 12, 16]), (16, [16])):
-            torch.manual_seed(0)
-            theirs, ours = shard_copies(Transformer(_dynamic_config(dim)))
-            _compile_blocks(ours, forward)
-            expected = _train_on(theirs, seq_lens)
-            losses = _train_on(ours, seq_lens, backward_compiler)
-            torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
-            for mine, reference in zip(full_params(ours), full_params(theirs)):
-                torch.testing.assert_close(mine, reference, rtol=0, atol=1e-5)
-    assert record.graph_breaks.count == 0, record.graph_breaks.reasons
-    # Block forward graphs: seq 16 (static); seq 12 fails the shape guard and Dynamo
-    # recompiles with the sequence dim dynamic, which serves seq 16 again; the second
-    # model fails the guards on its parameters' shapes: one graph dynamic in the width.
-    assert forward.frame_count == 3
-    # Compiled autograd captures a backward per distinct AOT backward it meets: the
-    # static block graph's, the dynamic one's, the second model's.
-    assert record.compiled_autograd_captures == 3
-    # Dynamo compiles of those captures: one each, plus one when the dynamic block's
-    # capture, first compiled at seq 12, meets seq 16 (automatic dynamic again).
-    assert backward.frame_count == 4
-    # The static backward pastes both blocks as calls of the one region. (Dynamo inlines
-    # the symbolic ones back: each call's SymInt arguments are its own objects, so no
-    # call reuses another's trace, and a region called once is inlined.)
-    assert len(_region_calls(backward.graphs[0])) == 2

@@ -4,14 +4,15 @@ counts a user's CI would pin and why each is expected.
 The forward + loss is compiled with ``fullgraph=True``; where noted, the backward
 runs under compiled autograd (``compiled_autograd._enable`` around ``loss.backward()``,
 outside the compiled function, so no frames of torch's own backward machinery are
-compiled). Single process on the fake process group, ``aot_eager`` backends.
+compiled). Single process on the fake process group, ``aot_eager`` backends. Changing
+shapes, train/eval switches and several models per process, with numbers against
+FSDP2: ``test_recipes.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.tensor import DTensor
@@ -82,28 +83,6 @@ def test_gradient_accumulation_two_microbatches(fake_world: None) -> None:
     assert record.recompiles == []
 
 
-def test_train_eval_switch_compiles_each_mode_once(fake_world: None) -> None:
-    step = Step(make_model(), compiled_autograd=True)
-    with track_compiles() as record:
-        for _ in range(3):
-            step.model.train()
-            step.microbatch()
-            step.optimizer_step()
-            step.model.eval()
-            with torch.no_grad():
-                step.loss(*data())
-    step.model.train()
-    # Two forward graphs, each compiled once and then reused: training, and eval under
-    # no_grad. The second is a recompile of the same frame, caused by the grad mode
-    # (no_grad also skips the recomputed all-gather). model.eval() alone changes no
-    # guard: nothing in this model reads self.training.
-    assert step.forward.frame_count == 2
-    assert len(record.recompiles) == 1
-    assert record.recompiles[0].name == "loss"
-    assert "grad_mode" in record.recompiles[0].recompile_reason
-    assert record.compiled_autograd_captures == 1
-
-
 def test_reshard_after_forward_true_and_false_models(fake_world: None) -> None:
     resharding = Step(make_model(reshard_after_forward=True), compiled_autograd=False)
     keeping = Step(make_model(reshard_after_forward=False), compiled_autograd=False)
@@ -140,16 +119,3 @@ def test_changing_batch_size_with_dynamic_true_compiles_once(fake_world: None) -
     assert len(params) == len(list(step.model.parameters()))
     assert all(isinstance(d, int) for value in params for d in value.shape)
     assert not isinstance(placeholders["l_tokens_"].shape[0], int)
-
-
-@pytest.mark.parametrize("batches", [(2, 3, 4, 5)])
-def test_changing_batch_size_without_dynamic_recompiles_once(fake_world: None, batches) -> None:
-    step = Step(make_model(), compiled_autograd=False)
-    with track_compiles() as record:
-        for batch in batches:
-            step.microbatch(batch)
-    # Default (automatic dynamic shapes): the first batch size is compiled static; the
-    # second recompiles with a symbolic batch dim, which serves every later size.
-    assert step.forward.frame_count == 2
-    assert len(record.recompiles) == 1
-    assert "size mismatch at index 0" in record.recompiles[0].recompile_reason
