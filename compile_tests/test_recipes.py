@@ -1,6 +1,8 @@
 """Every compile recipe through what real runs do, against torch's FSDP2 eager.
 
-On 2 gloo ranks, each rank process runs FSDP2 eager, then every recipe
+On one gloo rank (``FSDP_TRACEABLE_RECIPE_RANKS=2`` runs it on two: about 250 s of both
+cores on this 2-core machine, where one rank takes about 190 s of one), the rank process
+runs FSDP2 eager, then every recipe
 (:data:`~compile_tests.recipe_cases.RECIPES`: whole-model compile and per-block compile,
 each with the AOT backward and with compiled autograd) on a fresh model, one recipe
 after another without resetting Dynamo: training steps whose sequence length changes
@@ -23,6 +25,7 @@ are exact for this order; any more means a guard on something that should not ch
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -33,6 +36,7 @@ from compile_tests.recipe_cases import RECIPES, SCHEDULES, recipe_matrix
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 
 ATOL = 1e-4
+WORLD_SIZE = int(os.environ.get("FSDP_TRACEABLE_RECIPE_RANKS", "1"))
 
 # Per recipe, in RECIPES order: (forward graphs, backward graphs compiled under
 # compiled autograd, compiled-autograd captures). See [Note: compiles per recipe].
@@ -46,7 +50,7 @@ EXPECTED_COMPILES = {
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return run_on_local_ranks(recipe_matrix, 2, timeout_s=600)
+    return run_on_local_ranks(recipe_matrix, WORLD_SIZE, timeout_s=600)
 
 
 @pytest.mark.gloo

@@ -50,18 +50,27 @@ def _maybe_fault(where: str) -> None:
 
 
 @torch.library.custom_op("fsdp_fault_test::fault_point", mutates_args=())
-def fault_point(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Identity that runs :func:`_maybe_fault` at run time, compiled or not."""
-    _maybe_fault(f"block{block}")
+def fault_point(x: torch.Tensor, where: str) -> torch.Tensor:
+    """Identity that runs :func:`_maybe_fault` at run time, compiled or not; its
+    backward is the same op at ``<where>_backward``."""
+    _maybe_fault(where)
     return x.clone()
 
 
 @fault_point.register_fake
-def _(x: torch.Tensor, block: int) -> torch.Tensor:
+def _(x: torch.Tensor, where: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-fault_point.register_autograd(lambda ctx, grad: (grad, None))
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.where = inputs[1]
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return fault_point(grad, f"{ctx.where}_backward"), None
+
+
+fault_point.register_autograd(_backward, setup_context=_setup_context)
 
 
 class Block(nn.Module):
@@ -72,7 +81,7 @@ class Block(nn.Module):
         self.w2 = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = fault_point(torch.relu(self.w1(x)), self.index)
+        h = fault_point(torch.relu(self.w1(x)), f"block{self.index}")
         return x + self.w2(h)
 
 
@@ -125,8 +134,8 @@ def run_rank(
     Args:
         rank, world_size, port: the gloo rendezvous on 127.0.0.1.
         mode: ``"eager"`` or ``"compile"``.
-        where: the fault point: ``"block1"`` (inside block 1's forward) or
-            ``"before_backward"``.
+        where: the fault point: ``"block<i>"`` (inside block i's forward),
+            ``"block<i>_backward"`` (inside its backward) or ``"before_backward"``.
         kind: ``"exit"``, ``"raise"`` or ``"raise_and_linger"``.
         out_dir: where the outcome JSON goes.
         timeout_s: the process group's collective timeout.
