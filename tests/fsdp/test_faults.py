@@ -3,10 +3,12 @@
 Two gloo ranks train a fully_shard-ed model (``fault_cases``) under a 10 s collective
 timeout, set with ``dist.init_process_group(timeout=...)``. At step 1 rank 1 exits
 (``os._exit(1)``) or raises, inside block 1's forward or before backward, eager and
-under ``torch.compile(fullgraph=True)``. Rank 0 must then raise: "connection closed"
-when rank 1's process is gone, a timeout naming the 10 s when rank 1 is still alive
-with its process group open. The ranks are processes this test starts and joins with
-a deadline, killing any still alive, so a hang fails the test instead of stalling it.
+under ``torch.compile(fullgraph=True)``, or exits inside block 0's forward (a
+prefetched all-gather in flight) or block 1's backward (a reduce-scatter in flight).
+Rank 0 must then raise: "connection closed" when rank 1's process is gone, a timeout
+naming the 10 s when rank 1 is still alive with its process group open. The ranks are
+processes this test starts and joins with a deadline, killing any still alive, so a
+hang fails the test instead of stalling it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def run_scenario(mode: str, where: str, kind: str, out_dir: str) -> list[dict]:
 
 SCENARIOS = [
     ("eager", "block1", "exit"),
+    # Block 1's all-gather, prefetched by block 0's forward, is in flight.
+    ("eager", "block0", "exit"),
+    # Block 2's reduce-scatter (async, finished by the next reduction) is in flight.
+    ("eager", "block1_backward", "exit"),
     ("eager", "block1", "raise"),
     ("eager", "before_backward", "raise_and_linger"),
     ("compile", "block1", "exit"),
