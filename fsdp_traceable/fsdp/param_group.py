@@ -296,7 +296,7 @@ class ParamGroup(GatheringGroup):
         hooks.__enter__()
         return hooks
 
-    # -- all-gather -----------------------------------------------------------------------
+    # -- backward -------------------------------------------------------------------------
 
     @property
     def has_trainable_params(self) -> bool:
@@ -307,8 +307,6 @@ class ParamGroup(GatheringGroup):
         """Eager no-sync microbatches' gradients (by parameter index), for a compiled
         forward to pass to its backward as inputs; clears them."""
         return self._eager.take_accumulated_grads()
-
-    # -- backward -------------------------------------------------------------------------
 
     def pre_backward(self) -> list[torch.Tensor]:
         """Eager: the parameters, re-gathered once for this group's backward (by the
