@@ -91,12 +91,14 @@ def _recipe(name: str, model: Transformer, forward: CompileCounterWithBackend,
 
 @contextlib.contextmanager
 def _counted(result: dict[str, Any]) -> Iterator[tuple[CompileCounterWithBackend, ...]]:
+    """Counting backends (forward, compiled-autograd backward) for the block; adds to
+    ``result`` the graphs each compiled, the recompile reasons, the graph breaks and the
+    compiled-autograd captures."""
     forward, backward = CompileCounterWithBackend(BACKEND), CompileCounterWithBackend(BACKEND)
     with track_compiles() as record:
         yield forward, backward
     result.update(
         forward_graphs=forward.frame_count, backward_graphs=backward.frame_count,
-        frames=[frame.name for frame in record.frames],
         recompile_reasons=[f.recompile_reason for f in record.frames if f.recompile_reason],
         graph_breaks=record.graph_breaks.count,
         compiled_autograd_captures=record.compiled_autograd_captures,
@@ -107,9 +109,9 @@ def recipe_matrix(rank: int, world_size: int) -> dict[str, Any]:
     """FSDP2 eager on every schedule, then each recipe in :data:`RECIPES` on fresh models.
 
     Returns:
-        ``{"fsdp2": {dim: run}, recipe: {dim: run, "counts": ...}}`` where a run is
-        its losses and final parameters (full tensors), and counts are the recipe's
-        compiles over both of its models.
+        ``{"fsdp2": {dim: run}, recipe: {dim: run, <count>: ...}}`` where a run is its
+        losses and final parameters (full tensors), and the counts (see
+        :func:`_counted`) are the recipe's compiles over both of its models.
     """
     results: dict[str, Any] = {"fsdp2": {}}
     for dim, schedule in SCHEDULES.items():
