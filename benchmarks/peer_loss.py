@@ -5,7 +5,9 @@ compile with Inductor in a loop.
 
 Prints one JSON line per run (rank 0's outcome, and ``in_step_s``: seconds from the
 start of the step in which its peer died to its error) and a summary per scenario and
-load. A scenario is ``mode:where:kind`` as in ``tests/fsdp/test_faults.py``.
+load, and writes every run with the checkout's commit and date as JSON (default
+``benchmarks/out/peer_loss.json``). A scenario is ``mode:where:kind`` as in
+``tests/fsdp/test_faults.py``.
 
 Run from the repository root:
 ``python benchmarks/peer_loss.py --runs 20 eager:block1:exit eager:block0:exit
@@ -23,9 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from tests.fsdp.test_faults import run_scenario  # noqa: E402  (after the path)
+from fsdp_traceable.cli.bench_output import (  # noqa: E402  (after the path)
+    add_output_arguments,
+    output_path,
+    provenance,
+)
+from tests.fsdp.test_faults import run_scenario  # noqa: E402
 
 # One loading process: compiles a small function with Inductor, again and again.
 LOAD = """
@@ -69,6 +77,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="runs per scenario")
     parser.add_argument("--loaders", type=int, default=2,
                         help="compiling processes in every second run")
+    add_output_arguments(parser, "peer_loss.json")
     args = parser.parse_args()
     summary: dict[tuple[str, bool], list[dict]] = collections.defaultdict(list)
     for scenario in args.scenarios:
@@ -82,6 +91,12 @@ def main() -> None:
         worst = max(r["in_step_s"] for r in results)
         print(f"{scenario} loaded={loaded}: {len(results)} runs, rank 0 raised in {raised}, "
               f"hung in {hung}, at most {worst:.2f} s into the step")
+    out = output_path(args.out, args.publish, "peer_loss.json", ROOT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = [result for results in summary.values() for result in results]
+    out.write_text(json.dumps({"provenance": provenance(ROOT), "loaders": args.loaders,
+                               "runs": runs}, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
