@@ -89,26 +89,6 @@ def test_no_reshard_after_forward_saves_unsharded_weights(fake_world: None) -> N
     assert len(saved_block_weights(capture.forward)) >= 7 * CONFIG.n_layers
 
 
-def test_compiled_autograd_ten_steps_one_forward_one_backward_graph(fake_world: None) -> None:
-    model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    forward_counter = CompileCounterWithBackend("aot_eager")
-    backward_counter = CompileCounterWithBackend("aot_eager")
-    loss_fn = torch.compile(model.loss, backend=forward_counter, fullgraph=True)
-    backward_compiler = torch.compile(backend=backward_counter, fullgraph=True)
-    for _ in range(10):
-        loss = loss_fn(*data())
-        with torch._dynamo.compiled_autograd._enable(backward_compiler):
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    # A recompile would compile another frame on the same counter.
-    assert forward_counter.frame_count == 1
-    assert backward_counter.frame_count == 1
-    assert counters["compiled_autograd"]["captures"] == 1
-    assert not counters["graph_break"]
-
-
 def _two_linear_model() -> torch.nn.Sequential:
     # Groups of two parameters: the argument count at which Dynamo, tracing an
     # autograd.Function's forward as a plain call, would drop its ctx.

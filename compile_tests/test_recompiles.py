@@ -64,6 +64,7 @@ def test_ten_steps_compile_once(fake_world: None) -> None:
     assert step.backward.frame_count == 1
     assert record.compiled_autograd_captures == 1
     assert [frame.name for frame in record.frames] == ["loss", "forward"]
+    assert record.graph_breaks.count == 0
 
 
 def test_gradient_accumulation_two_microbatches(fake_world: None) -> None:
