@@ -13,6 +13,7 @@ eager, on to the model's reduction queue, which writes ``.grad``.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -36,12 +37,32 @@ from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
 log = logging.getLogger(__name__)
 
 
+class GroupState(enum.Enum):
+    """Where a group's unsharded parameters are, between forwards and during one.
+
+    Traced forwards move through the same states as eager ones (Dynamo replays the
+    writes); the eager backward's own state (parameters re-gathered for backward,
+    no-sync gradients) is the group's ``EagerState``.
+    """
+
+    SHARDED = enum.auto()
+    """Only the local shards are held (or a forward of the group's single module is
+    running, with its parameters bound): the next forward all-gathers."""
+    UNSHARDED = enum.auto()
+    """:meth:`ParamGroup.unshard` gathered and bound them; the next forward takes them,
+    :meth:`ParamGroup.reshard` drops them."""
+    LIST_FORWARD = enum.auto()
+    """A ``fully_shard([a, b])`` group's forward pass: its modules still to run reuse
+    them; the last one (or the root's forward, at the latest) releases them."""
+
+
 class ParamGroup(GatheringGroup):
     """A :class:`~.group_all_gather.GatheringGroup` with its runtime state and life cycle.
 
-    The runtime state: parameters gathered by :meth:`unshard` for the next forward,
-    a ``fully_shard([a, b])`` group's forward pass in progress (its parameters and the
-    modules still to run), and, in eager mode only, the gathering's ``EagerState``.
+    The runtime state: a :class:`GroupState` with the unsharded parameters it holds
+    (gathered by :meth:`unshard` for the next forward, or shared by a
+    ``fully_shard([a, b])`` group's forward pass and the modules still to run), and, in
+    eager mode only, the gathering's ``EagerState``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -49,18 +70,21 @@ class ParamGroup(GatheringGroup):
         # What the model shares between its groups (see [Note: per-model state]); the
         # group is its own model until the root's fully_shard links it.
         self._root_state = RootState()
-        # Unsharded parameters gathered by unshard(), used (and released) by the
-        # group's next forward, or dropped by reshard().
-        self._explicit_unsharded: tuple[torch.Tensor, ...] | None = None
-        # fully_shard([a, b]): the unsharded parameters shared by the modules' forwards,
-        # and the modules whose forward has not run yet in this pass.
-        self._shared_unsharded: tuple[torch.Tensor, ...] | None = None
+        # The unsharded parameters the state holds (None when SHARDED) and, in a
+        # LIST_FORWARD pass, the modules whose forward has not run yet.
+        self._state = GroupState.SHARDED
+        self._unsharded: tuple[torch.Tensor, ...] | None = None
         self._modules_to_run: set[int] = set()
         # On the root group: the fully_shard([a, b]) groups below it, whose forward
         # pass ends with the root's forward at the latest.
         self._list_groups: list[ParamGroup] = []
         # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
         self._hooks_hidden = False
+
+    def _set_state(self, state: GroupState,
+                   unsharded: tuple[torch.Tensor, ...] | None = None) -> None:
+        assert (state is GroupState.SHARDED) == (unsharded is None), state
+        self._state, self._unsharded = state, unsharded
 
     def link(self, *, name: str, is_root: bool, prefetch_backward: Callable[[], None] | None,
              root_state: RootState, list_groups: list[ParamGroup]) -> None:
@@ -109,7 +133,7 @@ class ParamGroup(GatheringGroup):
         """
         index = next(i for o, n, i in self.bindings if o is owner and n == name)
         check_replacement(self.fqns[index], self.sharded_params[index], param)
-        if is_bound(self) or self.has_prefetch or self._explicit_unsharded is not None:
+        if is_bound(self) or self.has_prefetch or self._state is not GroupState.SHARDED:
             raise ValueError(
                 f"parameter {self.fqns[index]!r} was replaced while its group's parameters "
                 "are unsharded (during forward, or after unshard()): replace it between "
@@ -132,7 +156,7 @@ class ParamGroup(GatheringGroup):
         Returns:
             Whether :meth:`wait_for_unshard` still has to finish it.
         """
-        if self._explicit_unsharded is not None or is_bound(self):
+        if self._state is not GroupState.SHARDED or is_bound(self):
             return False
         if async_op and not comm.use_traced_path():
             self.prefetch()
@@ -142,18 +166,19 @@ class ParamGroup(GatheringGroup):
 
     def wait_for_unshard(self) -> None:
         """Finishes :meth:`unshard`: binds the unsharded parameters to the modules."""
-        if self._explicit_unsharded is not None or is_bound(self):
+        if self._state is not GroupState.SHARDED or is_bound(self):
             return
         self._check_materialized()
         with torch.enable_grad():  # the forward that uses them may need their backward
-            self._explicit_unsharded = unshard_params(self, recompute_in_backward=False)
-        bind_unsharded(self, self._explicit_unsharded)
+            unsharded = unshard_params(self, recompute_in_backward=False)
+        self._set_state(GroupState.UNSHARDED, unsharded)
+        bind_unsharded(self, unsharded)
 
     def reshard(self) -> None:
         """Frees the unsharded parameters: those :meth:`unshard` gathered, a prefetched
         all-gather, and (eager) parameters kept for or after backward."""
-        if self._explicit_unsharded is not None:
-            self._explicit_unsharded = None
+        if self._state is GroupState.UNSHARDED:
+            self._set_state(GroupState.SHARDED)
             unbind_unsharded(self)
         with phase("reshard", self.name):
             self._drop_prefetched()
@@ -162,7 +187,7 @@ class ParamGroup(GatheringGroup):
     def reset_iter_state(self) -> None:
         """Ends a ``fully_shard([a, b])`` forward pass left open and forgets no-sync
         gradients (after :meth:`reshard`)."""
-        if self._shared_unsharded is not None:
+        if self._state is GroupState.LIST_FORWARD:
             self._release_shared()
         self._eager.keep_accumulated_grads(None)
 
@@ -196,10 +221,10 @@ class ParamGroup(GatheringGroup):
         self._check_materialized()
         args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
         shared = len(self.modules) > 1
-        if self._explicit_unsharded is not None:
-            unsharded = self._explicit_unsharded
-            self._explicit_unsharded = None
-        elif shared and self._shared_unsharded is not None:
+        if self._state is GroupState.UNSHARDED:
+            unsharded = self._unsharded
+            self._set_state(GroupState.SHARDED)
+        elif self._state is GroupState.LIST_FORWARD:
             return args, kwargs, ForwardScope(None, self._enter_hooks(traced))
         elif is_bound(self):
             return args, kwargs, ForwardScope(None, None)
@@ -208,11 +233,11 @@ class ParamGroup(GatheringGroup):
             unsharded = unshard_params(self, recompute_in_backward=reshard and traced)
             bind_unsharded(self, unsharded)
         if shared:
-            self._shared_unsharded = unsharded
+            self._set_state(GroupState.LIST_FORWARD, unsharded)
             self._modules_to_run = {id(m) for m in self.modules}
         if not traced:
             for child in module._fsdp_next_groups:
-                if child._explicit_unsharded is None:  # unshard() already gathered it
+                if child._state is not GroupState.UNSHARDED:  # else unshard() gathered it
                     child.prefetch()
             if self.reshard_after_forward:
                 self._root_state.saved_unsharded.register(self, list(unsharded))
@@ -248,7 +273,7 @@ class ParamGroup(GatheringGroup):
         if self.is_root and scope.unsharded is not None:
             # FSDP2 ends the pass of groups whose modules did not all run at the root's end.
             for other in self._list_groups:
-                if other._shared_unsharded is not None:
+                if other._state is GroupState.LIST_FORWARD:
                     other._release_shared()
         if self.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.mp_policy.output_dtype)
@@ -265,7 +290,10 @@ class ParamGroup(GatheringGroup):
 
     def _release_shared(self) -> None:
         """Ends a ``fully_shard([a, b])`` group's forward pass."""
-        unsharded, self._shared_unsharded = self._shared_unsharded, None
+        unsharded = None
+        if self._state is GroupState.LIST_FORWARD:
+            unsharded = self._unsharded
+            self._set_state(GroupState.SHARDED)
         self._modules_to_run = set()
         if unsharded is not None:
             self._release(unsharded)
