@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # recompute region below makes torch log a warning that does not apply to it.
 _torch_patches.skip_dtensor_unflatten_frames()
 _torch_patches.drop_context_fn_warning()
+_torch_patches.shard_uneven_new_empty_strided()
 
 
 class LocalShards(torch.autograd.Function):
