@@ -32,7 +32,7 @@ import torch
 import torch._dynamo.eval_frame
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "CONTEXT_FN_WARNING",
@@ -209,8 +209,6 @@ def rewrite_aot_backwards(
 
 def _shards_dim_0_only(spec: Any) -> bool:
     """Whether ``spec`` shards only tensor dim 0 (whose local stride is the global one)."""
-    from torch.distributed.tensor import Shard
-
     sharded = [p for p in spec.placements if p.is_shard()]
     return bool(sharded) and all(type(p) is Shard and p.dim == 0 for p in sharded)
 

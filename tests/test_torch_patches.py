@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,6 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_traceable  # (its import applies the import-time patches)
 from fsdp_traceable import _torch_patches
+from fsdp_traceable.inspect.capture import InductorCapture
+from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.fake_world import fake_process_group
 
 compiled_autograd = torch._dynamo.compiled_autograd
@@ -211,56 +214,47 @@ def test_backwards_read_through_the_rewrite_wrapped_once(monkeypatch) -> None:
 
 # -- DTensor's new_empty_strided keeps an uneven Shard(0) ---------------------------
 
+def _dim0_piece(mesh: DeviceMesh, rows: int, global_rows: int, cols: int) -> DTensor:
+    """Rank 0's ``[rows, cols]`` piece of a ``[global_rows, cols]`` tensor sharded on dim 0."""
+    return DTensor.from_local(torch.randn(rows, cols), mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size((global_rows, cols)), stride=(cols, 1))
+
+
 @pytest.fixture
-def uneven_shard() -> Iterator[DTensor]:
-    """Rank 0's [8, 29] piece of a [29, 29] tensor sharded on dim 0 over 4 ranks."""
+def uneven_mesh() -> Iterator[DeviceMesh]:
+    """A 1-D mesh of 4 fake ranks: 29 rows shard as 8, 8, 8, 5."""
     with fake_process_group(4):
-        mesh = init_device_mesh("cpu", (4,))
-        yield DTensor.from_local(torch.randn(8, 29), mesh, [Shard(0)], run_check=False,
-                                 shape=torch.Size((29, 29)), stride=(29, 1))
+        yield init_device_mesh("cpu", (4,))
 
 
 def _new_empty_strided(dtensor: DTensor) -> DTensor:
     return dtensor.new_empty_strided(dtensor.size(), dtensor.stride())
 
 
-def test_torch_still_replicates_an_uneven_new_empty_strided(uneven_shard) -> None:
-    # Another shape than the other tests' (DTensor caches the result per op and shapes).
-    uneven_shard = DTensor.from_local(torch.randn(8, 7), uneven_shard.device_mesh, [Shard(0)],
-                                      run_check=False, shape=torch.Size((30, 7)), stride=(7, 1))
+def test_torch_still_replicates_an_uneven_new_empty_strided(uneven_mesh) -> None:
     if not _torch_patches.shard_uneven_new_empty_strided():
         # This torch has no even-shard restriction left: the next test shows it keeps
         # the placement on its own.
         return
+    # Another shape than the next test's (DTensor caches the result per op and shapes).
+    piece = _dim0_piece(uneven_mesh, 8, 30, 7)
     propagator = DTensor._op_dispatcher.sharding_propagator
     op = torch.ops.aten.new_empty_strided.default
     patched = propagator.op_strategy_funcs[op]
     propagator.op_strategy_funcs[op] = patched.__wrapped__
     propagator.propagate_op_sharding.cache_clear()
     try:
-        assert _new_empty_strided(uneven_shard).placements == (Replicate(),)
+        assert _new_empty_strided(piece).placements == (Replicate(),)
     finally:
         propagator.op_strategy_funcs[op] = patched
         propagator.propagate_op_sharding.cache_clear()
 
 
-def test_compiled_autograd_keeps_uneven_gradients_sharded(uneven_shard) -> None:
+def test_compiled_autograd_keeps_uneven_gradients_sharded(uneven_mesh) -> None:
     # new_empty_strided itself, then a compiled-autograd backward (what calls it): the
     # gradients stay Shard(0) with the parameters' local shapes, and the backward
     # all-gathers only the resharded block's bucket, no parameter on its own.
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
-    from fsdp_traceable.testing import count_collectives
-
-    graphs: list[fx.GraphModule] = []
-
-    def keep(gm: fx.GraphModule, _inputs: list) -> Callable:
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    empty = _new_empty_strided(uneven_shard)
+    empty = _new_empty_strided(_dim0_piece(uneven_mesh, 8, 29, 29))
     assert empty.placements == (Shard(0),) and empty.to_local().shape == (8, 29)
 
     torch.manual_seed(0)
@@ -269,11 +263,11 @@ def test_compiled_autograd_keeps_uneven_gradients_sharded(uneven_shard) -> None:
     model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
     tokens = torch.randint(0, 40, (2, 8))
     loss = torch.compile(model.loss, backend="aot_eager", fullgraph=True)(tokens, tokens)
-    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
-    with compiled_autograd._enable(torch.compile(backend=backend, fullgraph=True)):
+    capture = InductorCapture(inductor=False)
+    with compiled_autograd._enable(torch.compile(backend=capture.backend, fullgraph=True)):
         loss.backward()
-    (backward,) = graphs
-    assert count_collectives(backward)["all_gather"] == 1
+    # Compiled autograd's graph runs without grad: AOTAutograd's inference graph.
+    assert count_collectives(capture.graph_modules["aot_inference"])["all_gather"] == 1
     for name, param in model.named_parameters():
         assert param.grad.placements == (Shard(0),), name
         assert param.grad.to_local().shape == param.to_local().shape, name
