@@ -13,7 +13,6 @@ eager, on to the model's reduction queue, which writes ``.grad``.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -29,31 +28,13 @@ from .autograd_bridge import unshard_params
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
 from .group_all_gather import GatheringGroup
+from .group_state import GroupState
 from .reduce_queue import GradientTarget
 from .root_state import RootState
 from .sharded_params import check_replacement
 from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
 
 log = logging.getLogger(__name__)
-
-
-class GroupState(enum.Enum):
-    """Where a group's unsharded parameters are, between forwards and during one.
-
-    Traced forwards move through the same states as eager ones (Dynamo replays the
-    writes); the eager backward's own state (parameters re-gathered for backward,
-    no-sync gradients) is the group's ``EagerState``.
-    """
-
-    SHARDED = enum.auto()
-    """Only the local shards are held (or a forward of the group's single module is
-    running, with its parameters bound): the next forward all-gathers."""
-    UNSHARDED = enum.auto()
-    """:meth:`ParamGroup.unshard` gathered and bound them; the next forward takes them,
-    :meth:`ParamGroup.reshard` drops them."""
-    LIST_FORWARD = enum.auto()
-    """A ``fully_shard([a, b])`` group's forward pass: its modules still to run reuse
-    them; the last one (or the root's forward, at the latest) releases them."""
 
 
 class ParamGroup(GatheringGroup):
