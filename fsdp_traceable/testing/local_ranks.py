@@ -4,6 +4,7 @@ set-up and teardown every launcher of the library shares."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -183,11 +184,15 @@ def local_rank_context() -> multiprocessing.context.BaseContext:
 
 
 def _local_rank_main(
-    rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any],
+    rank: int, world_size: int, result_dir: str, fn: Callable[..., Any],
     args: tuple, timeout_s: float, num_threads: int, backend: str, env: dict[str, str],
 ) -> None:
     os.environ.clear()
     os.environ.update(env)
+    # A rank killed by a signal (a C++ abort in a collective's thread, a segfault) leaves
+    # its Python stacks here for the parent's error.
+    fault_file = open(os.path.join(result_dir, f"rank{rank}.fault"), "w")  # noqa: SIM115
+    faulthandler.enable(fault_file, all_threads=True)
     torch.set_num_threads(num_threads)
     # One Inductor (and AOTAutograd) cache per rank: ranks of one job compile different
     # shapes under the same graph key where shards are uneven, and a rank loading a
@@ -195,12 +200,31 @@ def _local_rank_main(
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), "fsdp_traceable_inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
-    init_default_group(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s, backend=backend)
+    # The ranks meet at a file store in the call's own directory, not at a TCP port:
+    # a port chosen free by the parent can be taken by another process before rank 0
+    # listens on it (parallel test workers open many connections), and a rank that
+    # reached another job's store would join that job.
+    store_path = os.path.join(result_dir, "store")
+    init_default_group(rank, world_size, f"file://{store_path}", timeout_s, backend=backend)
 
     def run_and_save() -> None:
         torch.save(fn(rank, world_size, *args), os.path.join(result_dir, f"rank{rank}.pt"))
 
     run_and_shut_down(run_and_save, ())
+    faulthandler.disable()
+    fault_file.close()
+
+
+def _signal_report(result_dir: str, world_size: int) -> str:
+    """What the ranks' fault handlers wrote: the Python stacks of a rank killed by a
+    signal."""
+    reports = []
+    for rank in range(world_size):
+        path = os.path.join(result_dir, f"rank{rank}.fault")
+        if os.path.exists(path) and os.path.getsize(path):
+            with open(path) as f:
+                reports.append(f"rank {rank}:\n{f.read()[-8000:]}")
+    return "\n".join(reports) or "(no rank wrote a fault report)"
 
 
 def run_on_local_ranks(
@@ -215,8 +239,9 @@ def run_on_local_ranks(
     (gloo; ``backend="nccl"`` puts rank ``r`` on GPU ``r``), forked from a server that
     has imported torch and this package (see [Note: preloaded rank processes]).
 
-    A failure on any rank fails the call with that rank's traceback; a rank that
-    waits on a collective longer than ``timeout_s`` raises instead of hanging.
+    A failure on any rank fails the call with that rank's traceback (a rank killed by
+    a signal: with the Python stacks of its threads at the signal); a rank that waits
+    on a collective longer than ``timeout_s`` raises instead of hanging.
 
     Args:
         fn: the per-rank body, a module-level function.
@@ -230,12 +255,18 @@ def run_on_local_ranks(
         Each rank's return value, by rank (``torch.save``-able values).
     """
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(
-            _local_rank_main,
-            args=(world_size, free_port(), result_dir, fn, args, timeout_s, num_threads, backend,
-                  dict(os.environ)),
-            nprocs=world_size, join=True, start_method=_rank_starter.start_method(passes_env=True),
-        )
+        try:
+            mp.start_processes(
+                _local_rank_main,
+                args=(world_size, result_dir, fn, args, timeout_s, num_threads, backend,
+                      dict(os.environ)),
+                nprocs=world_size, join=True,
+                start_method=_rank_starter.start_method(passes_env=True),
+            )
+        except mp.ProcessExitedException as exc:
+            raise RuntimeError(
+                f"{exc}; Python stacks at the signal:\n{_signal_report(result_dir, world_size)}"
+            ) from exc
         return [
             torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)

@@ -43,3 +43,15 @@ def test_rank_output_reaches_the_callers_stdout(capfd):
     """A forked rank writes to the server's stdout: a captured stdout spawns instead."""
     run_on_local_ranks(_print_rank, 1)
     assert "rank 0 of 1 speaking" in capfd.readouterr().out
+
+
+def _abort_in_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.abort()
+
+
+def test_a_rank_killed_by_a_signal_fails_the_call_with_its_python_stack():
+    with pytest.raises(RuntimeError, match="SIGABRT") as info:
+        run_on_local_ranks(_abort_in_rank_one, 2)
+    assert "rank 1:" in str(info.value)
+    assert "_abort_in_rank_one" in str(info.value)
