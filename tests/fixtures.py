@@ -96,8 +96,9 @@ def rank_server(run_inductor_cache_dir: Path) -> None:
     """Starts the preloaded fork server local ranks come from, once per test worker and
     before any test captures its own output: the server's standard output and error
     are then the run's, and every later rank of the run forks from it (a server started
-    inside a ``capfd`` test would make every other test's ranks spawn). The server runs
-    Inductor's CPU probes once, for every rank of the run that compiles."""
+    inside a ``capfd`` test would make every other test's ranks spawn). The server
+    imports Inductor and runs its CPU probes once, for every rank of the run that
+    compiles."""
     preload_rank_server(inductor=True)
 
 

@@ -85,7 +85,7 @@ def shut_down_process_group() -> None:
 # starts with the caller's environment either way. So does a call whose standard output
 # or error is no longer the file the server inherited (a redirected or captured stdout):
 # a forked rank writes to the server's. A caller whose ranks compile with Inductor can
-# have the server run Inductor's per-process CPU probes once
+# have the server import Inductor and run its per-process CPU probes once
 # (``preload_rank_server(inductor=True)``, before the first rank starts).
 _PRELOADED_MODULES = ["torch", "torch.distributed", "fsdp_traceable"]
 _INDUCTOR_WARMUP_MODULE = "fsdp_traceable.testing.inductor_warmup"
@@ -163,9 +163,9 @@ def preload_rank_server(inductor: bool = False) -> None:
     processes]), if it is not running yet.
 
     Args:
-        inductor: also run Inductor's CPU instruction-set probes in the server, so that
-            ranks which compile with Inductor skip them (seconds of CPU per rank). Must
-            be passed before the server starts.
+        inductor: also import Inductor's compiler and run its CPU instruction-set
+            probes in the server, so that ranks which compile skip both (seconds of CPU
+            per rank). Must be passed before the server starts.
     """
     if inductor:
         _rank_starter.add_preloaded_module(_INDUCTOR_WARMUP_MODULE)
