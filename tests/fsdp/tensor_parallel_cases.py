@@ -185,6 +185,23 @@ def spmd_parity(mesh: DeviceMesh, dp_rank: int, steps: int = 3) -> dict[str, Any
     return result
 
 
+def flattened_mesh_parity(steps: int = 2) -> dict[str, Any]:
+    """FSDP2 and ours on torchtitan's mesh for context parallelism: ``fully_shard`` on the
+    ``(dp_shard, cp)`` dims flattened into ``dp_shard_cp`` (each of its ranks trains on
+    its own batch, as CP ranks hold their own sequence chunks)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    dp_shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    torch.manual_seed(0)
+    base = TinyLM()
+    result = {}
+    for name, fully_shard in (("theirs", fsdp2_fully_shard), ("ours", fsdp_traceable.fully_shard)):
+        model = copy.deepcopy(base)
+        apply_fsdp(model, dp_shard_cp, fully_shard)
+        # loss_of given: no hook on the compute weights (plain tensors here, no TP)
+        result[name] = train(model, dp_shard_cp.get_local_rank(), steps, loss_of=model.loss)
+    return result
+
+
 def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of dp rank ``dp_rank`` at ``step`` (the same on its TP ranks)."""
     generator = torch.Generator().manual_seed(100 + 10 * step + dp_rank)
@@ -237,7 +254,8 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
 def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """FSDP2 and ours trained eagerly; FSDP2's DCP checkpoint loaded into a fresh model
     of ours; both trained again with bf16 mixed precision, and built on meta; both with
-    ``dp_mesh_dims`` (torch 2.12+); the inputs ours must reject."""
+    ``dp_mesh_dims`` (torch 2.12+); both on a flattened ``(dp_shard, cp)`` mesh; the
+    inputs ours must reject."""
     mesh = two_d_mesh()
     theirs, ours = sharded_pair(mesh)
     dp_rank = mesh["dp"].get_local_rank()
@@ -257,6 +275,7 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     result["meta"] = {"theirs": train(theirs, dp_rank, 2), "ours": train(ours, dp_rank, 2)}
     if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch 2.12+
         result["spmd"] = spmd_parity(mesh, dp_rank)
+    result["dp_shard_cp"] = flattened_mesh_parity()
     result["errors"] = rejected_inputs(mesh)
     dist.barrier()
     return result

@@ -3,8 +3,9 @@ style plan, ``fully_shard`` per block and at the root, 3 AdamW steps eagerly (an
 bf16 mixed precision, and 2 built on meta as torchtitan does); losses, first-step
 gradients, final shards, parameter and ``state_dict()`` layouts bit for bit, and the TP
 DTensors forward computes with; the same with ``dp_mesh_dims`` (torch 2.12+); FSDP2's
-DCP checkpoint loads into ours; inputs that cannot be sharded are rejected by name
-before any collective."""
+DCP checkpoint loads into ours; both on torchtitan's mesh for context parallelism
+(``fully_shard`` on ``(dp_shard, cp)`` flattened into ``dp_shard_cp``); inputs that
+cannot be sharded are rejected by name before any collective."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
         _assert_same(theirs["params"], ours["params"], f"rank {rank} param")
         assert ours["state_dict"] == theirs["state_dict"], f"rank {rank}"
         _assert_same(theirs["params"], result["loaded"], f"rank {rank} FSDP2 checkpoint")
-        for case in ("bf16", "meta"):
+        for case in ("bf16", "meta", "dp_shard_cp"):
             pair = result[case]
             assert pair["ours"]["losses"] == pair["theirs"]["losses"], f"rank {rank} {case}"
             _assert_same(pair["theirs"]["grads"], pair["ours"]["grads"], f"rank {rank} {case} grad")
@@ -66,6 +67,9 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
         0, split_factor=2), torch.distributed.tensor.Shard(0)))
     assert rowwise == (("dp", "tp"), (torch.distributed.tensor.Shard(0),
                                       torch.distributed.tensor.Shard(1)))
+    # Context parallelism's layout: every parameter sharded 4 ways on dp_shard_cp.
+    for their_layout, _ in results[0]["dp_shard_cp"]["theirs"]["params"].values():
+        assert their_layout == (("dp_shard_cp",), (Shard(0),))
 
 
 class _Uneven(torch.nn.Module):
