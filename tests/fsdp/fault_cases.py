@@ -1,7 +1,8 @@
 """Rank side of the fault tests: a fully_shard-ed model where one rank fails mid-step.
 
 ``run_rank`` trains a small model of three sharded blocks on one gloo rank of two,
-eager or under ``torch.compile(fullgraph=True)``. On the faulty rank, at the fault
+eager or under ``torch.compile(fullgraph=True)`` (``fsdp2``: torch's own FSDP2, eager,
+the comparison ``benchmarks/peer_loss.py`` draws). On the faulty rank, at the fault
 step, the fault fires inside block 1's forward (through a custom op, so it also runs
 inside a compiled graph) or between forward and backward. The fault either exits the
 process (``os._exit(1)``), raises (the process then ends, as with an uncaught
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from fsdp_traceable import fully_shard
 from fsdp_traceable.testing.local_ranks import (
@@ -103,9 +105,10 @@ class Model(nn.Module):
 def _train(mode: str, outcome: dict[str, Any], steps: int = 3) -> None:
     torch.manual_seed(0)
     model = Model()
+    shard = fsdp2_fully_shard if mode == "fsdp2" else fully_shard
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        shard(block)
+    shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = torch.compile(model.loss, fullgraph=True) if mode == "compile" else model.loss
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -133,7 +136,7 @@ def run_rank(
 
     Args:
         rank, world_size, port: the gloo rendezvous on 127.0.0.1.
-        mode: ``"eager"`` or ``"compile"``.
+        mode: ``"eager"``, ``"compile"`` or ``"fsdp2"`` (torch's FSDP2, eager).
         where: the fault point: ``"block<i>"`` (inside block i's forward),
             ``"block<i>_backward"`` (inside its backward) or ``"before_backward"``.
         kind: ``"exit"``, ``"raise"`` or ``"raise_and_linger"``.
