@@ -7,7 +7,7 @@ Prints one JSON line per run (rank 0's outcome, and ``in_step_s``: seconds from 
 start of the step in which its peer died to its error) and a summary per scenario and
 load, and writes every run with the checkout's commit and date as JSON (default
 ``benchmarks/out/peer_loss.json``). A scenario is ``mode:where:kind`` as in
-``tests/fsdp/test_faults.py``.
+``tests/fsdp/test_faults.py``; mode ``fsdp2`` runs torch's FSDP2 (eager) instead of ours.
 
 Run from the repository root:
 ``python benchmarks/peer_loss.py --runs 20 eager:block1:exit eager:block0:exit
