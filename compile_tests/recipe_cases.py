@@ -35,7 +35,9 @@ SCHEDULES: dict[int, list[tuple[str, int, int]]] = {
 
 
 def _config(dim: int) -> TransformerConfig:
-    return TransformerConfig(vocab_size=64, dim=dim, n_layers=2, n_heads=4, max_seq_len=16)
+    # One block: the compiles per recipe are the same with more (per-block compile reuses
+    # one block graph, test_block_compile.py shows it for any depth), each compile slower.
+    return TransformerConfig(vocab_size=64, dim=dim, n_layers=1, n_heads=4, max_seq_len=16)
 
 
 def _batch(rank: int, step: int, batch_size: int, seq_len: int

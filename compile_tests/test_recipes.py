@@ -1,8 +1,8 @@
 """Every compile recipe through what real runs do, against torch's FSDP2 eager.
 
-On one gloo rank (``FSDP_TRACEABLE_RECIPE_RANKS=2`` runs it on two: about 250 s of both
-cores on this 2-core machine, where one rank takes 200-220 s of one), the rank process
-runs FSDP2 eager, then every recipe
+On one gloo rank (``FSDP_TRACEABLE_RECIPE_RANKS=2`` runs it on two: 89 s on this
+2-core machine, where one rank takes 73 s), the rank process runs FSDP2 eager, then
+every recipe
 (:data:`~compile_tests.recipe_cases.RECIPES`: whole-model compile and per-block compile,
 each with the AOT backward and with compiled autograd) on a fresh model, one recipe
 after another without resetting Dynamo: training steps whose sequence length changes
