@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp.parity_utils import (
+    SMALL,
     all_ranks_mean,
     backward_context,
     batch,
@@ -19,6 +22,9 @@ from tests.fsdp.parity_utils import (
 )
 
 STEPS = 5
+# Compiled runs train one block: Inductor's code for a block is the same for every block
+# of a whole-model graph, and each more block costs seconds of compile on 2 ranks.
+ONE_BLOCK = dataclasses.replace(SMALL, n_layers=1)
 pytestmark = pytest.mark.gloo
 
 
@@ -27,7 +33,8 @@ def _train_against_fsdp2(rank: int, world_size: int, mode: str, optim: str, mp: 
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mp == "bf16" else MixedPrecisionPolicy()
     )
-    base, theirs, ours = make_models(mp_policy=mp_policy)
+    config = ONE_BLOCK if mode.startswith("compile") else SMALL
+    base, theirs, ours = make_models(config, mp_policy=mp_policy)
     opt_base = make_optimizer(optim, base.parameters())
     opt_theirs = make_optimizer(optim, theirs.parameters())
     opt_ours = make_optimizer(optim, ours.parameters())
