@@ -34,6 +34,7 @@ SUBSET=(
   tests/test_torch_patches.py
   "$EXTENSIONS::test_compiled_all_gather_carries_float8_weights_as_bytes"
   "$EXTENSIONS::test_hooks_are_inlined_not_graph_ops"
+  "$EXTENSIONS::test_hooks_set_after_fully_shard_compiled_within_1e5_of_fsdp2_eager"
   compile_tests/test_graph_breaks.py
   "$RECOMPILES::test_ten_steps_compile_once"
   "$RECOMPILES::test_changing_batch_size_with_dynamic_true_compiles_once"

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..collectives import AllGatherResult, ShardInfo
+from ..collectives import AllGatherResult, ShardInfo, comm
 from ..sizes import contiguous_strides
 
 _PRE_HOOK_SIGNATURE = (
@@ -95,6 +95,13 @@ class AllGatherExtension:
         size, stride = self.info.global_size, self.global_stride
         if unsharded.size() != size or unsharded.stride() != stride:
             unsharded = torch.as_strided(unsharded, size, stride, storage_offset=0)
+        elif comm.use_traced_path():
+            # Traced, the parameter is a view of its own, never the hook's tensor itself
+            # (the hook also returns that tensor among those it keeps). On torch 2.11,
+            # where the hook's tensor needs no narrowing (one rank: no padding), Dynamo's
+            # trace of the unshard's autograd.Function returns that tensor once for two
+            # outputs, and the parameter's gradient comes back as zeros (2.13 is right).
+            unsharded = unsharded.view(size)
         return unsharded
 
     def input_info(self, input_size: torch.Size, dtype: torch.dtype) -> ShardInfo:
