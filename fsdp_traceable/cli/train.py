@@ -20,7 +20,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..fsdp import fully_shard
-from ..models.transformer import Transformer, TransformerConfig, shard_transformer
+from ..models.transformer import (
+    Transformer,
+    TransformerConfig,
+    parallelize_transformer,
+    shard_transformer,
+)
 from .data import synthetic_batch
 from .launch import resolve_device, run_on_ranks
 
@@ -35,6 +40,7 @@ class TrainArgs:
     steps: int = 20
     mp: str | None = None
     hsdp: bool = False
+    tp: int = 1
     world_size: int = 2
     dim: int = 128
     layers: int = 4
@@ -64,6 +70,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--mp", choices=["bf16"], default=None, help="bf16 mixed precision")
     parser.add_argument("--hsdp", action="store_true", help="2-D mesh (replicate, shard)")
+    parser.add_argument("--tp", type=int, default=defaults.tp,
+                        help="tensor-parallel degree: a (dp, tp) mesh, each block's attention "
+                             "and feed-forward split over tp ranks, fully_shard on dp")
     parser.add_argument("--world-size", type=int, default=defaults.world_size,
                         help="local gloo ranks to spawn when not under torchrun")
     for name in ("dim", "layers", "heads", "vocab_size", "seq_len", "batch_size", "seed"):
@@ -91,6 +100,13 @@ def train_args_from(namespace: argparse.Namespace) -> TrainArgs:
         raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     if args.hsdp and args.world_size % 2:
         raise ValueError(f"--hsdp needs an even world size, got {args.world_size}")
+    if args.tp < 1 or args.world_size % args.tp:
+        raise ValueError(f"--tp {args.tp} must be at least 1 and divide --world-size "
+                         f"{args.world_size}")
+    if args.tp > 1 and args.hsdp:
+        raise ValueError("--tp with --hsdp is not supported by the CLI: use one of them")
+    if args.heads % args.tp:
+        raise ValueError(f"--heads {args.heads} must be divisible by --tp {args.tp}")
     return args
 
 
@@ -99,10 +115,15 @@ def build_model(args: TrainArgs, device: str) -> Transformer:
     with torch.device(device):
         model = Transformer(args.config)
     world_size = dist.get_world_size()
-    mesh = (
-        init_device_mesh(device, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-        if args.hsdp else init_device_mesh(device, (world_size,))
-    )
+    if args.tp > 1:
+        mesh = init_device_mesh(device, (world_size // args.tp, args.tp),
+                                mesh_dim_names=("dp", "tp"))
+        parallelize_transformer(model, mesh["tp"])
+        mesh = mesh["dp"]
+    elif args.hsdp:
+        mesh = init_device_mesh(device, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device, (world_size,))
     return shard_transformer(model, fully_shard, mesh=mesh, mp_policy=mp_policy_for(args))
 
 
@@ -139,6 +160,8 @@ def reference_losses(args: TrainArgs, world_size: int) -> list[float]:
 
 def _train_rank(args: TrainArgs, result_path: str) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    # The ranks of one tensor-parallel group (consecutive ranks) train on the same batch.
+    dp_rank, dp_size = rank // args.tp, world_size // args.tp
     device = resolve_device(args.device)
     model = build_model(args, device)
     optimizer = make_optimizer(args, model.parameters())
@@ -154,7 +177,7 @@ def _train_rank(args: TrainArgs, result_path: str) -> None:
     losses, step_times = [], []
     for step in range(args.steps):
         start = time.perf_counter()
-        loss = loss_fn(*batch_for(args, step, rank, world_size, device))
+        loss = loss_fn(*batch_for(args, step, dp_rank, dp_size, device))
         with backward_context():
             loss.backward()
         optimizer.step()
@@ -208,7 +231,7 @@ def train(args: TrainArgs) -> dict:
         with open(result_path) as f:
             result = json.load(f)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    reference = reference_losses(args, world_size)
+    reference = reference_losses(args, world_size // args.tp)
     result["reference_losses"] = reference
     result["final_loss_difference"] = result["losses"][-1] - reference[-1]
     result["args"] = asdict(args)
@@ -219,9 +242,11 @@ def format_summary(result: dict) -> str:
     args = result["args"]
     steady = sorted(result["step_times_s"][1:] or result["step_times_s"])
     mode = args["mode"] if args["mode"] == "eager" else f"{args['mode']} (backend {args['backend']})"
+    tp = args.get("tp", 1)
     lines = [
         f"mode {mode}, {args['steps']} steps, world size "
         f"{args['world_size']}{' (HSDP)' if args['hsdp'] else ''}"
+        f"{f', tensor parallel {tp}' if tp > 1 else ''}"
         f"{', bf16 mixed precision' if args['mp'] else ''}",
         f"final loss           {result['losses'][-1]:.6f}  (first {result['losses'][0]:.4f}, "
         f"log(vocab) {math.log(args['vocab_size']):.4f})",

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..sizes import round_up
 
@@ -30,20 +32,22 @@ class TransformerConfig:
 class Attention(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.n_heads = config.n_heads
+        self.head_dim = config.dim // config.n_heads
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
         self.wv = nn.Linear(config.dim, config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
+        batch, seq, _ = x.shape
+        # Heads counted from the projection (-1): under tensor parallelism a rank holds
+        # n_heads / tp of them.
         q, k, v = (
-            w(x).view(batch, seq, self.n_heads, dim // self.n_heads).transpose(1, 2)
+            w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -97,4 +101,36 @@ def shard_transformer(model: Transformer, fully_shard_fn, **kwargs) -> Transform
     for layer in model.layers:
         fully_shard_fn(layer, **kwargs)
     fully_shard_fn(model, **kwargs)
+    return model
+
+
+def parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
+    """Tensor parallelism on every block, torchtitan's plan for attention and the
+    feed-forward: the q/k/v and w1/w3 projections column-wise (each rank a slice of the
+    heads and of the hidden features), wo and w2 row-wise (their outputs all-reduced).
+    Embeddings, norms and the output stay replicated. Apply before ``fully_shard`` on
+    the data-parallel mesh.
+
+    Args:
+        model: the transformer; its ``n_heads`` and hidden size must divide by
+            ``tp_mesh.size()``.
+        tp_mesh: the 1-D tensor-parallel mesh.
+
+    Returns:
+        ``model``, parallelized in place.
+    """
+    tp = tp_mesh.size()
+    config = model.config
+    for name, size in (("n_heads", config.n_heads), ("hidden size", config.mlp_hidden_dim)):
+        if size % tp:
+            raise ValueError(f"the transformer's {name} ({size}) must divide by the "
+                             f"tensor-parallel degree ({tp})")
+    plan = {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, plan)
     return model

@@ -1,4 +1,5 @@
-"""The ``train`` and ``bench`` commands end to end on 2 local gloo ranks (tiny model)."""
+"""The ``train`` and ``bench`` commands end to end on 2 local gloo ranks (4 with tensor
+parallelism; tiny model)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def test_compiled_autograd_training_reports_graphs() -> None:
     assert "1 forward graph(s), 1 compiled-autograd graph(s), 0 graph break(s)" in format_summary(result)
 
 
+def test_tensor_parallel_training_on_four_ranks_matches_unsharded_reference(capsys) -> None:
+    main(["train", "--tp", "2", "--world-size", "4", "--steps", "3", "--device", "cpu",
+          *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]])
+    out = capsys.readouterr().out
+    assert "world size 4, tensor parallel 2" in out
+    difference = float(out.split("(difference ")[1].split(")")[0])
+    assert abs(difference) < 1e-5
+
+
 def test_bench_reports_every_requested_mode(tmp_path) -> None:
     modes = ("fsdp2-eager", "eager", "compute-only", "comm-only")
     report = run_bench(TrainArgs(**TINY), steps=2, modes=modes)
@@ -52,5 +62,11 @@ def test_bench_reports_every_requested_mode(tmp_path) -> None:
 def test_cli_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="--dim 30 must be divisible by --heads 4"):
         main(["train", "--dim", "30"])
+    with pytest.raises(ValueError, match="--tp 3 must be at least 1 and divide --world-size 4"):
+        main(["train", "--tp", "3", "--world-size", "4"])
+    with pytest.raises(ValueError, match="--tp with --hsdp"):
+        main(["train", "--tp", "2", "--world-size", "4", "--hsdp"])
+    with pytest.raises(ValueError, match="--heads 4 must be divisible by --tp 8"):
+        main(["train", "--tp", "8", "--world-size", "8"])
     with pytest.raises(ValueError, match="unknown bench modes"):
         main(["bench", "--modes", "eager,warp-speed"])
