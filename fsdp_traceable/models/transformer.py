@@ -32,18 +32,18 @@ class TransformerConfig:
 class Attention(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.head_dim = config.dim // config.n_heads
+        self.n_heads = config.n_heads
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
         self.wv = nn.Linear(config.dim, config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        batch, seq, dim = x.shape
         # Heads counted from the projection (-1): under tensor parallelism a rank holds
-        # n_heads / tp of them.
+        # n_heads / tp of them (x itself is whole).
         q, k, v = (
-            w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            w(x).view(batch, seq, -1, dim // self.n_heads).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
