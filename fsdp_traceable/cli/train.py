@@ -23,6 +23,7 @@ from ..fsdp import fully_shard
 from ..models.transformer import (
     Transformer,
     TransformerConfig,
+    check_tensor_parallel,
     parallelize_transformer,
     shard_transformer,
 )
@@ -105,8 +106,7 @@ def train_args_from(namespace: argparse.Namespace) -> TrainArgs:
                          f"{args.world_size}")
     if args.tp > 1 and args.hsdp:
         raise ValueError("--tp with --hsdp is not supported by the CLI: use one of them")
-    if args.heads % args.tp:
-        raise ValueError(f"--heads {args.heads} must be divisible by --tp {args.tp}")
+    check_tensor_parallel(args.config, args.tp)
     return args
 
 

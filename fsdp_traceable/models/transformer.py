@@ -104,6 +104,15 @@ def shard_transformer(model: Transformer, fully_shard_fn, **kwargs) -> Transform
     return model
 
 
+def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
+    """Raises ``ValueError`` unless :func:`parallelize_transformer` can split a model of
+    ``config`` over ``tp`` ranks (its heads and hidden features divide by ``tp``)."""
+    for name, size in (("n_heads", config.n_heads), ("hidden size", config.mlp_hidden_dim)):
+        if size % tp:
+            raise ValueError(f"the transformer's {name} ({size}) must divide by the "
+                             f"tensor-parallel degree ({tp})")
+
+
 def parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
     """Tensor parallelism on every block, torchtitan's plan for attention and the
     feed-forward: the q/k/v and w1/w3 projections column-wise (each rank a slice of the
@@ -119,12 +128,7 @@ def parallelize_transformer(model: Transformer, tp_mesh: DeviceMesh) -> Transfor
     Returns:
         ``model``, parallelized in place.
     """
-    tp = tp_mesh.size()
-    config = model.config
-    for name, size in (("n_heads", config.n_heads), ("hidden size", config.mlp_hidden_dim)):
-        if size % tp:
-            raise ValueError(f"the transformer's {name} ({size}) must divide by the "
-                             f"tensor-parallel degree ({tp})")
+    check_tensor_parallel(model.config, tp_mesh.size())
     plan = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),

@@ -66,7 +66,7 @@ def test_cli_rejects_bad_arguments() -> None:
         main(["train", "--tp", "3", "--world-size", "4"])
     with pytest.raises(ValueError, match="--tp with --hsdp"):
         main(["train", "--tp", "2", "--world-size", "4", "--hsdp"])
-    with pytest.raises(ValueError, match="--heads 4 must be divisible by --tp 8"):
+    with pytest.raises(ValueError, match=r"n_heads \(4\) must divide by the tensor-parallel degree \(8\)"):
         main(["train", "--tp", "8", "--world-size", "8"])
     with pytest.raises(ValueError, match="unknown bench modes"):
         main(["bench", "--modes", "eager,warp-speed"])
