@@ -20,6 +20,12 @@ FSDP2's ``FSDPParam._init_sharding_spec_tp`` does:
   norm weight), as FSDP2's ``_get_grad_inner_tensor`` does before its reduce-scatter,
   and hands the reduce-scatter the plain local gradient.
 
+Expert-parallel experts (torchtitan's ``ExpertParallel``: 3-D weights ``Shard(0)`` on an
+``ep`` mesh, ``fully_shard``-ed on ``dp_shard_mod_ep``) take the same path: "TP mesh"
+here means any mesh the parameter is a DTensor on that is not ``fully_shard``'s. Their
+FSDP shard dim is dim 0 of the local experts (``_StridedShard(0, ...)``) or, with
+``shard_placement_fn`` returning ``Shard(1)``, dim 1 (``Shard(1)``).
+
 With ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` (FSDP2's SPMD path, torch 2.12+)
 every parameter is a DTensor on the whole mesh with ``Replicate()`` on the dp dims: the
 sharded parameter keeps that mesh, its dp shard dim becoming ``Shard(d)`` or
@@ -176,8 +182,10 @@ def _spmd_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh
             return concatenate([dp_mesh, tp_mesh])
         except RuntimeError as err:
             raise ValueError(
-                f"parameter {fqn!r}: its TP mesh {tp_mesh} and fully_shard's mesh {dp_mesh} "
-                f"do not form one mesh ({err})"
+                f"parameter {fqn!r}: its tensor/expert-parallel mesh {tp_mesh} and "
+                f"fully_shard's mesh {dp_mesh} do not form one mesh ({err}); fully_shard it "
+                "on dims its mesh does not use, e.g. expert-parallel experts on "
+                "dp_shard_mod_ep, not on the dense layers' dp mesh"
             ) from None
     # Older torch: the root mesh, when its dims are exactly dp's then TP's.
     root = dp_mesh._get_root_mesh()
