@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 import fsdp_traceable
 from fsdp_traceable.testing import track_compiles
+from tests.fsdp import expert_parallel_cases
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ, N_BLOCKS = 16, 8, 16, 2, 4, 2
 
@@ -254,8 +255,9 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
 def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """FSDP2 and ours trained eagerly; FSDP2's DCP checkpoint loaded into a fresh model
     of ours; both trained again with bf16 mixed precision, and built on meta; both with
-    ``dp_mesh_dims`` (torch 2.12+); both on a flattened ``(dp_shard, cp)`` mesh; the
-    inputs ours must reject."""
+    ``dp_mesh_dims`` (torch 2.12+); both on a flattened ``(dp_shard, cp)`` mesh; both
+    on a MoE model with expert parallel (``expert_parallel_cases``); the inputs ours
+    must reject."""
     mesh = two_d_mesh()
     theirs, ours = sharded_pair(mesh)
     dp_rank = mesh["dp"].get_local_rank()
@@ -276,6 +278,7 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch 2.12+
         result["spmd"] = spmd_parity(mesh, dp_rank)
     result["dp_shard_cp"] = flattened_mesh_parity()
+    result["moe"] = expert_parallel_cases.eager_parity()
     result["errors"] = rejected_inputs(mesh)
     dist.barrier()
     return result

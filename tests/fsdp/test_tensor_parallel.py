@@ -4,8 +4,11 @@ bf16 mixed precision, and 2 built on meta as torchtitan does); losses, first-ste
 gradients, final shards, parameter and ``state_dict()`` layouts bit for bit, and the TP
 DTensors forward computes with; the same with ``dp_mesh_dims`` (torch 2.12+); FSDP2's
 DCP checkpoint loads into ours; both on torchtitan's mesh for context parallelism
-(``fully_shard`` on ``(dp_shard, cp)`` flattened into ``dp_shard_cp``); inputs that
-cannot be sharded are rejected by name before any collective."""
+(``fully_shard`` on ``(dp_shard, cp)`` flattened into ``dp_shard_cp``); a MoE model
+with expert parallel as torchtitan shards it (experts on ``dp_shard_mod_ep`` with
+``Shard(1)`` or the default ``Shard(0)`` and ``set_gradient_divide_factor``, dense
+layers on the flattened dp mesh); inputs that cannot be sharded are rejected by name
+before any collective."""
 
 from __future__ import annotations
 
@@ -70,6 +73,30 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
     # Context parallelism's layout: every parameter sharded 4 ways on dp_shard_cp.
     for their_layout, _ in results[0]["dp_shard_cp"]["theirs"]["params"].values():
         assert their_layout == (("dp_shard_cp",), (Shard(0),))
+    _check_moe([result["moe"] for result in results])
+
+
+def _check_moe(results: list[dict]) -> None:
+    """Expert parallel + FSDP (``expert_parallel_cases``) equals FSDP2 bit for bit, in
+    FSDP2's layouts; ours rejects by name the experts FSDP2 cannot shard either."""
+    strided = torch.distributed.tensor.placement_types._StridedShard(0, split_factor=2)
+    for rank, result in enumerate(results):
+        for experts_dim, experts_placement in ((1, Shard(1)), (0, strided)):
+            theirs, ours = result[experts_dim]["theirs"], result[experts_dim]["ours"]
+            what = f"rank {rank} MoE experts Shard({experts_dim})"
+            assert ours["losses"] == theirs["losses"], what
+            _assert_same(theirs["grads"], ours["grads"], f"{what} grad")
+            _assert_same(theirs["params"], ours["params"], f"{what} param")
+            for name, (layout, _) in ours["params"].items():
+                expected = ((("dp_shard_mod_ep", "ep"), (experts_placement, Shard(0)))
+                            if ".moe.experts." in name else (("dp",), (Shard(0),)))
+                assert repr(layout) == repr(expected), f"{what} {name}: {layout}"
+        errors = result["errors"]
+        assert errors["experts_on_dp"][0] == "ValueError"
+        assert "parameter 'w1'" in errors["experts_on_dp"][1]
+        assert "dp_shard_mod_ep" in errors["experts_on_dp"][1]
+        assert errors["uneven_shard_1"][0] == "ValueError"
+        assert "parameter 'w1': Shard(1)" in errors["uneven_shard_1"][1]
 
 
 class _Uneven(torch.nn.Module):
