@@ -9,7 +9,7 @@ Layers, lowest first, each importing only its own and the ones below it
 * :mod:`.collectives`: the ``torch.ops.fsdp_traceable`` copy ops and the foreach
   all-gather / reduce on plain tensors (traced and eager paths).
 * :mod:`.backward_regions`: compiled autograd's backward of a repeated block as one region.
-* :mod:`.fsdp`: ``fully_shard`` and ``FSDPModule``.
+* :mod:`.fsdp`: ``fully_shard`` and ``FSDPModule``; :mod:`.whole_step`: ``compile_step``.
 * :mod:`.models`: the built-in transformer.
 * :mod:`.inspect`, then :mod:`.testing`: reading compiled graphs, pinning graph breaks
   and recompiles, process-group set-ups for tests (imported on demand).
@@ -35,6 +35,7 @@ from .collectives import (
     shard_tensor,
 )
 from .fsdp import FSDPModule, fully_shard
+from .whole_step import compile_step
 
 __all__ = [
     "AllGatherResult",
@@ -43,6 +44,7 @@ __all__ = [
     "ReduceResult",
     "ReduceSchedule",
     "ShardInfo",
+    "compile_step",
     "config",
     "foreach_all_gather",
     "foreach_all_gather_copy_out",

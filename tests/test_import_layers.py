@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("triton_kernels",),  # the top-level triton_kernels/ folder, imported under the package
     ("collectives",),
     ("backward_regions",),
-    ("fsdp", ""),  # "": the package's __init__, which re-exports fully_shard
+    ("fsdp", "", "whole_step"),  # "": the package's __init__, which re-exports fully_shard
     ("models",),
     ("inspect",),
     ("testing",),

@@ -7,6 +7,7 @@ the version under test: the patch can go there (see [Note: torch patches]).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import pickle
@@ -26,6 +27,7 @@ from fsdp_traceable.inspect.capture import InductorCapture
 from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
 from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 
 compiled_autograd = torch._dynamo.compiled_autograd
 
@@ -271,3 +273,34 @@ def test_compiled_autograd_keeps_uneven_gradients_sharded(uneven_mesh) -> None:
     for name, param in model.named_parameters():
         assert param.grad.placements == (Shard(0),), name
         assert param.grad.to_local().shape == param.to_local().shape, name
+
+
+# -- the whole step's recompute pass sees one backward and recomputes views -------------
+
+
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
+                    reason="this torch's Dynamo cannot trace backward() into DTensor parameters")
+def test_torch_still_refuses_a_whole_step_with_two_resharded_groups() -> None:
+    # fsdp_traceable.compile_step without the wrapped pass: each block's reduce-scatter,
+    # in its autograd.Function's backward, splits the traced backward.
+    _torch_patches.complete_whole_step_recompute()
+    module = importlib.import_module(_torch_patches.REMAT_PASS_MODULE)
+    patched = module.remat_using_tags_for_fwd_loss_bwd_graph
+    config = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            loss = model.loss(tokens, tokens)
+            loss.backward()
+            return loss.detach()
+
+        module.remat_using_tags_for_fwd_loss_bwd_graph = patched.__wrapped__
+        try:
+            with (torch._dynamo.config.patch(trace_autograd_ops=True),
+                  torch._functorch.config.patch(enable_autograd_cache=False),
+                  pytest.raises(Exception, match="2 disjoint backward regions that require")):
+                torch.compile(step, backend="aot_eager", fullgraph=True)(torch.zeros(2, 8, dtype=torch.long))
+        finally:
+            module.remat_using_tags_for_fwd_loss_bwd_graph = patched

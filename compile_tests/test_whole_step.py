@@ -1,0 +1,128 @@
+"""The whole training step as one graph (:func:`fsdp_traceable.compile_step`): forward,
+loss and ``loss.backward()`` traced together, against torch's FSDP2 eager on 2 gloo
+ranks; its graph's collectives and what it keeps from forward for backward, on the
+fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import fsdp_traceable
+from compile_tests.sharded_model import CONFIG, N_GROUPS, data, make_model
+from compile_tests.test_fully_shard_compile import BLOCK_WEIGHT_SHAPES
+from fsdp_traceable.testing import count_collectives
+from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+
+needs_whole_step = pytest.mark.skipif(
+    not dynamo_traces_backward_into_dtensors(),
+    reason="this torch's Dynamo cannot trace backward() into DTensor parameters")
+
+
+@needs_whole_step
+@pytest.mark.gloo
+def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
+    # The default (blocks reshard, the root keeps its parameters) and no resharding;
+    # True only adds the root to the re-gathered groups (the graph test below).
+    settings = (None, False)
+    from compile_tests import whole_step_cases  # (its FSDP2 reference needs torch 2.12+)
+
+    results = run_on_local_ranks(whole_step_cases.train_each, 2, settings, "aot_eager",
+                                 timeout_s=300)
+    for rank, by_setting in enumerate(results):
+        for setting in settings:
+            theirs, ours = by_setting[setting]["theirs"], by_setting[setting]["ours"]
+            what = f"rank {rank} reshard_after_forward={setting}"
+            assert ours["frames"] == 1 and ours["graph_breaks"] == {}, what
+            assert ours["losses"] == theirs["losses"], what
+            for name, (kind, placements, grad) in theirs["grads"].items():
+                assert ours["grads"][name][:2] == (kind, placements), f"{what} {name}"
+                assert torch.equal(ours["grads"][name][2], grad), f"{what} {name} grad"
+            for name, param in theirs["params"].items():
+                assert torch.equal(ours["params"][name], param), f"{what} {name}"
+
+
+class _InferenceGraph:
+    """A backend keeping the graph AOTAutograd hands its inference compiler: the whole
+    step after torch's forward-loss-backward recompute pass."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.backend = aot_autograd(fw_compiler=self._keep, inference_compiler=self._keep)
+
+    def _keep(self, gm: torch.fx.GraphModule, example_inputs: object) -> torch.fx.GraphModule:
+        self.graphs.append(gm)
+        return gm
+
+
+def _whole_step(reshard_after_forward: bool | None, backend: object) -> CompileCounterWithBackend:
+    model = make_model(reshard_after_forward=reshard_after_forward)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        return loss.detach()
+
+    counter = CompileCounterWithBackend(backend)
+    fsdp_traceable.compile_step(step, backend=counter)(*data())
+    assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
+    return counter
+
+
+def _of_input(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a graph input (a sharded parameter) or a view of one."""
+    while getattr(node.target, "is_view", False):
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _kept_for_backward(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
+    """Shapes of the forward's values that backward nodes read (inputs aside)."""
+    kept = {inp for node in gm.graph.nodes if node.meta.get("autograd_backward")
+            for inp in node.all_input_nodes
+            if not inp.meta.get("autograd_backward") and not _of_input(inp)}
+    return [tuple(n.meta["val"].shape) for n in kept
+            if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _gathers(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """All-gathers in (forward, backward)."""
+    nodes = [n for n in gm.graph.nodes
+             if n.op == "call_function" and "all_gather_into_tensor" in str(n.target)]
+    backward = sum(bool(n.meta.get("autograd_backward")) for n in nodes)
+    return len(nodes) - backward, backward
+
+
+@needs_whole_step
+@pytest.mark.parametrize("reshard_after_forward, regathered", [(None, N_GROUPS - 1),
+                                                               (True, N_GROUPS),
+                                                               (False, 0)])
+def test_whole_step_regathers_each_resharded_group_once_in_backward(
+        fake_world: None, reshard_after_forward: bool | None, regathered: int) -> None:
+    capture = _InferenceGraph()
+    counter = _whole_step(reshard_after_forward, capture.backend)
+    assert counter.frame_count == 1 and not counters["graph_break"]
+    (graph,) = capture.graphs
+    assert _gathers(graph) == (N_GROUPS, regathered)
+    assert count_collectives(graph)["reduce_scatter"] == N_GROUPS
+    kept_weights = [s for s in _kept_for_backward(graph) if s in BLOCK_WEIGHT_SHAPES]
+    if regathered:
+        assert kept_weights == []  # no block's unsharded weight lives across
+    else:
+        # Every block's 7 matrices (q, k, v, o, w1, w2, w3), kept in some layout.
+        assert len(kept_weights) >= 7 * CONFIG.n_layers
+
+
+@pytest.mark.skipif(dynamo_traces_backward_into_dtensors(), reason="this torch can")
+def test_compile_step_names_the_torch_it_needs() -> None:
+    with pytest.raises(RuntimeError, match=r"2\.13 or newer"):
+        fsdp_traceable.compile_step(lambda: None)
+
+
+def test_compile_step_rejects_what_is_not_a_function() -> None:
+    with pytest.raises(TypeError, match=r"compile_step\(step=...\)"):
+        fsdp_traceable.compile_step(42)

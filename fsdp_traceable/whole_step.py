@@ -1,0 +1,99 @@
+"""One graph for the whole training step: :func:`compile_step`.
+
+[Note: whole-step capture]
+With ``torch._dynamo.config.trace_autograd_ops`` Dynamo traces ``loss.backward()``
+(and ``torch.autograd.grad``) inside the compiled function, so forward, loss and
+backward become one forward-loss-backward graph: AOTAutograd compiles it as one
+inference graph, and Inductor schedules every group's all-gather and reduce-scatter
+in it, across the forward/backward boundary. Nothing of ``fully_shard`` changes: its
+traced path is the one compile + compiled autograd takes, and its reduce-scatter
+still runs in each group's ``autograd.Function`` backward. A group that reshards
+after forward tags its all-gather must-recompute; torch's forward-loss-backward
+rematerialization pass then gathers again right before the backward that uses it,
+so no unsharded parameter lives from forward to backward. That pass needs the
+backward to be one contiguous region, which the Function backwards break on torch
+(see ``_torch_patches.complete_whole_step_recompute``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+
+from . import _torch_patches
+
+__all__ = ["compile_step", "dynamo_traces_backward_into_dtensors"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def dynamo_traces_backward_into_dtensors() -> bool:
+    """Whether this torch's Dynamo traces ``backward()`` into DTensor parameters.
+
+    Torch 2.11 can trace ``backward()`` (``trace_autograd_ops``) but asserts every
+    tensor it differentiates is a plain fake tensor, so a step over ``fully_shard``'s
+    DTensor parameters fails in Dynamo; torch 2.13 and 2.14 accept tensor subclasses.
+    """
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        return False
+    from torch._dynamo.variables import torch as torch_variables
+
+    collect = getattr(torch_variables, "_collect_tensors_with_sources", None)
+    return collect is not None and "is_traceable_wrapper_subclass" in collect.__code__.co_names
+
+
+def compile_step(
+    step: Callable[_P, _R],
+    *,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+) -> Callable[_P, _R]:
+    """Compiles a whole training step, forward, loss and ``loss.backward()``, into one graph.
+
+    ``step`` is the training step as you write it eagerly over ``fully_shard``-ed
+    modules: it runs the model, computes the loss, calls ``loss.backward()`` and
+    returns what it likes (typically the detached loss). Gradients land in ``.grad``
+    as DTensors, exactly as in eager; groups with ``reshard_after_forward=True``
+    all-gather again in the backward instead of keeping their unsharded parameters.
+    Call ``optimizer.step()`` and ``zero_grad()`` outside ``step``. Compiled with
+    ``fullgraph=True``: a graph break is an error, never a silent split.
+
+    Args:
+        step: the training step.
+        backend: ``torch.compile``'s backend.
+        mode: ``torch.compile``'s mode.
+        options: ``torch.compile``'s backend options.
+        dynamic: ``torch.compile``'s ``dynamic``.
+
+    Returns:
+        The compiled step, called as ``step``.
+
+    Raises:
+        TypeError: if ``step`` is not callable.
+        RuntimeError: if this torch cannot trace ``backward()`` into DTensor
+            parameters (torch 2.11: use ``torch.compile`` with compiled autograd).
+    """
+    if not callable(step):
+        raise TypeError(f"compile_step(step=...) takes the training step function, got {step!r}")
+    if not dynamo_traces_backward_into_dtensors():
+        raise RuntimeError(
+            f"compile_step needs a torch whose Dynamo traces backward() into DTensor "
+            f"parameters (2.13 or newer); torch {torch.__version__} cannot. Compile the "
+            "model with compiled autograd instead (see the recipes in the README)"
+        )
+    _torch_patches.complete_whole_step_recompute()
+    compiled = torch.compile(step, fullgraph=True, backend=backend, mode=mode,
+                             options=options, dynamic=dynamic)
+
+    @functools.wraps(step)
+    def compiled_step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return compiled(*args, **kwargs)
+
+    return compiled_step
