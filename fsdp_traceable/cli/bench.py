@@ -3,7 +3,8 @@
 Every mode runs the same model, data and optimizer in the same run on the same ranks,
 timed step by step in turn:
 torch FSDP2 eager, FSDP2 with per-block ``torch.compile``, fsdp_traceable eager,
-whole-model compile, and compile + compiled autograd, then fsdp_traceable's per-block
+whole-model compile, compile + compiled autograd, and the whole step as one graph
+(:func:`~fsdp_traceable.compile_step`), then fsdp_traceable's per-block
 compile (``block.compile(fullgraph=True)``) with and without compiled autograd; plus
 compute-only (unsharded,
 no communication) and communication-only (the same collectives, no compute), whose
@@ -31,15 +32,22 @@ from ..collectives import foreach_reduce
 from ..fsdp import FSDPModule
 from ..fsdp import fully_shard as ours_fully_shard
 from ..models.transformer import Transformer, shard_transformer
+from ..whole_step import dynamo_traces_backward_into_dtensors
 from .launch import resolve_device, run_on_ranks
 from .memory import peak_allocated_bytes
-from .train import TrainArgs, batch_for, make_optimizer, mp_policy_for
+from .train import TrainArgs, batch_for, forward_backward_of, make_optimizer, mp_policy_for
 
 MODES = (
-    "fsdp2-eager", "fsdp2-compile-blocks", "eager", "compile", "compile-ca",
+    "fsdp2-eager", "fsdp2-compile-blocks", "eager", "compile", "compile-ca", "whole-step",
     "compile-blocks", "compile-blocks-ca", "compute-only", "compute-only-compiled", "comm-only",
 )
-_OURS = ("eager", "compile", "compile-ca", "compile-blocks", "compile-blocks-ca", "comm-only")
+_OURS = ("eager", "compile", "compile-ca", "whole-step", "compile-blocks", "compile-blocks-ca",
+         "comm-only")
+
+
+def default_modes() -> tuple[str, ...]:
+    """Every mode of ``MODES`` this torch runs (``whole-step`` needs torch 2.13+)."""
+    return tuple(m for m in MODES if m != "whole-step" or dynamo_traces_backward_into_dtensors())
 
 
 def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
@@ -63,6 +71,15 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
     if mode == "comm-only":
         return _comm_only_step(model, device), model
     optimizer = make_optimizer(args, model.parameters())
+    if mode == "whole-step":
+        forward_backward = forward_backward_of(mode, model)
+
+        def whole_step_fn(step: int) -> None:
+            forward_backward(*batch_for(args, step, rank, world_size, device))
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return whole_step_fn, model
     loss_fn = model.loss
     if mode in ("compile", "compile-ca", "compute-only-compiled"):
         loss_fn = torch.compile(model.loss, fullgraph=True)
@@ -158,13 +175,15 @@ def _timed(step_fn: Callable[[int], None], step: int, device: str) -> float:
     return time.perf_counter() - start
 
 
-def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] = MODES) -> dict:
+def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None = None) -> dict:
     """Runs every mode on the same ranks and returns rank 0's figures.
 
     Returns:
         ``{"args": ..., "modes": {mode: {median_step_ms, first_step_s, peak_bytes,
-        ratio_to_fsdp2_eager}}, "overlap_limit_ms": ..., ...}``.
+        ratio_to_fsdp2_eager}}, "overlap_limit_ms": ..., ...}``; ``modes`` defaults
+        to :func:`default_modes`.
     """
+    modes = default_modes() if modes is None else modes
     unknown = set(modes) - set(MODES)
     if unknown:
         raise ValueError(f"unknown bench modes {sorted(unknown)}; choose from {', '.join(MODES)}")

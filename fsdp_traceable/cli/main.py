@@ -49,11 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "explain":
         return run_explain_command(args)
     if args.command == "bench":
-        from .bench import MODES, format_table, run_bench, write_outputs
+        from .bench import default_modes, format_table, run_bench, write_outputs
         from .bench_output import output_path, provenance
         from .train import train_args_from
 
-        modes = tuple(args.modes.split(",")) if args.modes else MODES
+        modes = tuple(args.modes.split(",")) if args.modes else default_modes()
         report = run_bench(train_args_from(args), steps=args.bench_steps, modes=modes)
         if report:
             report["provenance"] = provenance()

@@ -10,7 +10,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..fsdp import fully_shard
+from ..whole_step import compile_step
 from ..models.transformer import (
     Transformer,
     TransformerConfig,
@@ -30,7 +33,7 @@ from ..models.transformer import (
 from .data import synthetic_batch
 from .launch import resolve_device, run_on_ranks
 
-MODES = ("eager", "compile", "compile-ca")
+MODES = ("eager", "compile", "compile-ca", "whole-step")
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -64,7 +67,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainArgs()
     parser.add_argument("--mode", choices=MODES, default=defaults.mode,
                         help="eager (c10d), compile (whole-model torch.compile), compile-ca "
-                             "(+ compiled autograd)")
+                             "(+ compiled autograd), whole-step (forward, loss and backward "
+                             "as one graph: fsdp_traceable.compile_step)")
     parser.add_argument("--backend", choices=BACKENDS, default=defaults.backend,
                         help="torch.compile backend of the compiled modes: inductor, or "
                              "aot_eager / eager to debug the traced graphs without codegen")
@@ -158,6 +162,34 @@ def reference_losses(args: TrainArgs, world_size: int) -> list[float]:
     return losses
 
 
+def forward_backward_of(mode: str, model: Transformer, forward_backend: Any = "inductor",
+                        backward_backend: Any = "inductor") -> Callable[..., torch.Tensor]:
+    """``fn(tokens, targets)``: the forward, loss and backward of one step in ``mode``
+    (one of ``MODES``), returning the loss."""
+    if mode == "whole-step":
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            return loss.detach()
+
+        return compile_step(step, backend=forward_backend)
+    loss_fn = model.loss
+    backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    if mode != "eager":
+        loss_fn = torch.compile(model.loss, backend=forward_backend, fullgraph=True)
+    if mode == "compile-ca":
+        compiler = torch.compile(backend=backward_backend, fullgraph=True)
+        backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
+
+    def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(tokens, targets)
+        with backward_context():
+            loss.backward()
+        return loss
+
+    return forward_backward
+
+
 def _train_rank(args: TrainArgs, result_path: str) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # The ranks of one tensor-parallel group (consecutive ranks) train on the same batch.
@@ -167,19 +199,11 @@ def _train_rank(args: TrainArgs, result_path: str) -> None:
     optimizer = make_optimizer(args, model.parameters())
     forward_counter = CompileCounterWithBackend(args.backend)
     backward_counter = CompileCounterWithBackend(args.backend)
-    loss_fn = model.loss
-    backward_context = contextlib.nullcontext
-    if args.mode != "eager":
-        loss_fn = torch.compile(model.loss, backend=forward_counter, fullgraph=True)
-    if args.mode == "compile-ca":
-        compiler = torch.compile(backend=backward_counter, fullgraph=True)
-        backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
+    forward_backward = forward_backward_of(args.mode, model, forward_counter, backward_counter)
     losses, step_times = [], []
     for step in range(args.steps):
         start = time.perf_counter()
-        loss = loss_fn(*batch_for(args, step, dp_rank, dp_size, device))
-        with backward_context():
-            loss.backward()
+        loss = forward_backward(*batch_for(args, step, dp_rank, dp_size, device))
         optimizer.step()
         optimizer.zero_grad()
         mean_loss = loss.detach().float().clone()
@@ -255,7 +279,12 @@ def format_summary(result: dict) -> str:
         f"step time            first {result['step_times_s'][0] * 1e3:.1f} ms, median after "
         f"{steady[len(steady) // 2] * 1e3:.1f} ms",
     ]
-    if args["mode"] != "eager":
+    if args["mode"] == "whole-step":
+        lines.append(
+            f"compiled             {result['forward_graphs']} whole-step graph(s), "
+            f"{result['graph_breaks']} graph break(s), {result['recompiles']} recompile(s)"
+        )
+    elif args["mode"] != "eager":
         lines.append(
             f"compiled             {result['forward_graphs']} forward graph(s), "
             f"{result['backward_graphs']} compiled-autograd graph(s), "

@@ -10,6 +10,7 @@ import pytest
 from fsdp_traceable.cli.bench import format_table, run_bench, write_outputs
 from fsdp_traceable.cli.main import main
 from fsdp_traceable.cli.train import TrainArgs, format_summary, train
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 
 pytestmark = pytest.mark.gloo
 TINY = dict(dim=32, layers=2, heads=4, vocab_size=64, seq_len=16, batch_size=2)
@@ -35,6 +36,14 @@ def test_compiled_autograd_training_reports_graphs() -> None:
     assert (result["forward_graphs"], result["backward_graphs"]) == (1, 1)
     assert (result["graph_breaks"], result["recompiles"]) == (0, 0)
     assert "1 forward graph(s), 1 compiled-autograd graph(s), 0 graph break(s)" in format_summary(result)
+
+
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(), reason="needs torch 2.13+")
+def test_whole_step_training_reports_one_graph() -> None:
+    result = train(TrainArgs(mode="whole-step", backend="aot_eager", steps=3, **TINY))
+    assert abs(result["final_loss_difference"]) < 1e-5
+    assert (result["forward_graphs"], result["graph_breaks"], result["recompiles"]) == (1, 0, 0)
+    assert "1 whole-step graph(s), 0 graph break(s), 0 recompile(s)" in format_summary(result)
 
 
 def test_tensor_parallel_training_on_four_ranks_matches_unsharded_reference(capsys) -> None:
