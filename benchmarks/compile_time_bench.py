@@ -16,7 +16,10 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
   autograd pastes every block's backward node by node, as torch does;
 * ``ours-blocks-aot``: the same without compiled autograd (each block's AOTAutograd
   backward);
+* ``ours-step``: fsdp_traceable, the whole step (forward, loss, backward) as one graph:
+  ``fsdp_traceable.compile_step`` (Inductor); the optimizer step runs eagerly;
 * ``unsharded-whole``: the same model unsharded, whole-model compile + compiled autograd;
+* ``unsharded-step``: the same model unsharded, its whole step by ``compile_step``;
 * ``fsdp2-blocks``: torch FSDP2 with ``block.compile()`` per block (its hooks run
   eagerly; FSDP2 does not support compiled autograd);
 * ``unsharded-regions``: ``unsharded-whole`` with each block's forward marked
@@ -51,8 +54,8 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot",
-           "unsharded-whole", "fsdp2-blocks", "unsharded-regions")
+CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot", "ours-step",
+           "unsharded-whole", "unsharded-step", "fsdp2-blocks", "unsharded-regions")
 
 
 def _child(config: str, layers: int, dim: int, steps: int,
@@ -100,6 +103,13 @@ def _child(config: str, layers: int, dim: int, steps: int,
                 TransformerBlock.forward)
         if config.endswith(("-whole", "-regions")):
             loss_fn = torch.compile(model.loss, fullgraph=True)
+        elif config.endswith("-step"):
+            def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                loss = model.loss(tokens, targets)
+                loss.backward()
+                return loss.detach()
+
+            loss_fn = fsdp_traceable.compile_step(forward_backward)
         else:
             for block in model.layers:
                 block.compile(fullgraph=config.startswith("ours"))
@@ -121,8 +131,9 @@ def _child(config: str, layers: int, dim: int, steps: int,
             t0 = time.perf_counter()
             loss = loss_fn(tokens, torch.roll(tokens, 1, dims=1))
             forward_s.append(time.perf_counter() - t0)
-            with backward_context():
-                loss.backward()
+            if not config.endswith("-step"):  # (a whole step ran backward already)
+                with backward_context():
+                    loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             return time.perf_counter() - t0
