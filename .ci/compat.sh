@@ -19,8 +19,9 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # float8-style weight's all-gather hooks traced by Dynamo, the graph-break tests, the
 # recompile tests of the train loop and dynamic batch size, the compiled
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
-# (hooked into compiled autograd, feature-detected), and the patches of torch (each one
-# applied, and still needed on this torch). The main job runs the rest on the pinned torch.
+# (hooked into compiled autograd, feature-detected), the whole step as one graph (2.13+;
+# on 2.11 its clear error), and the patches of torch (each one applied, and still needed
+# on this torch). The main job runs the rest on the pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
 # sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
@@ -40,6 +41,7 @@ SUBSET=(
   "$RECOMPILES::test_changing_batch_size_with_dynamic_true_compiles_once"
   tests/backward_regions/test_outline.py
   compile_tests/test_block_compile.py::test_compiled_autograd_traces_one_block_backward
+  compile_tests/test_whole_step.py
 )
 
 # The registry's triton-kernels and ours, imported side by side from outside the clone.

@@ -17,6 +17,7 @@ backward to be one contiguous region, which the Function backwards break on torc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -46,6 +47,19 @@ def dynamo_traces_backward_into_dtensors() -> bool:
     return collect is not None and "is_traceable_wrapper_subclass" in collect.__code__.co_names
 
 
+def _cacheable_functions() -> contextlib.AbstractContextManager:
+    """AOTAutograd's cache takes graphs holding a Dynamo-traced ``autograd.Function``.
+
+    It bypasses them by default, so a restarted process traced the whole step again
+    (measured: 9.8 s to a warm first step at 4 blocks, 6.1 s with the cache). Safe
+    here: Dynamo traces ``fully_shard``'s Functions into the graph, forward and
+    backward, so the cache key holds everything they do.
+    """
+    if not hasattr(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"):
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True)
+
+
 def compile_step(
     step: Callable[_P, _R],
     *,
@@ -62,7 +76,8 @@ def compile_step(
     as DTensors, exactly as in eager; groups with ``reshard_after_forward=True``
     all-gather again in the backward instead of keeping their unsharded parameters.
     Call ``optimizer.step()`` and ``zero_grad()`` outside ``step``. Compiled with
-    ``fullgraph=True``: a graph break is an error, never a silent split.
+    ``fullgraph=True``: a graph break is an error, never a silent split. A restarted
+    process finds the step in AOTAutograd's and Inductor's caches.
 
     Args:
         step: the training step.
@@ -93,7 +108,7 @@ def compile_step(
 
     @functools.wraps(step)
     def compiled_step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(trace_autograd_ops=True), _cacheable_functions():
             return compiled(*args, **kwargs)
 
     return compiled_step

@@ -22,7 +22,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..fsdp import fully_shard
-from ..whole_step import compile_step
 from ..models.transformer import (
     Transformer,
     TransformerConfig,
@@ -30,6 +29,7 @@ from ..models.transformer import (
     parallelize_transformer,
     shard_transformer,
 )
+from ..whole_step import compile_step
 from .data import synthetic_batch
 from .launch import resolve_device, run_on_ranks
 
