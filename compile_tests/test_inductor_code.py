@@ -1,7 +1,9 @@
 """Inductor's generated code for a fully_shard-ed transformer's forward and backward:
 the order of copies, collectives, overlapping compute and waits, and how many kernels
 copy into and out of each collective, with Inductor's defaults and with
-:func:`fsdp_traceable.inductor_options` (AOTAutograd's backward and compiled autograd).
+:func:`fsdp_traceable.inductor_options` (AOTAutograd's backward and compiled autograd);
+and the compute between each collective and its wait in the whole step as one graph
+(:func:`fsdp_traceable.compile_step`).
 
 One Inductor compile per configuration (module-scoped; graph caches off, kernels shared),
 single process on the fake process group. Kernels are attributed to a collective by
@@ -18,11 +20,13 @@ import torch
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
+import fsdp_traceable
 from compile_tests.sharded_model import CONFIG, N_GROUPS, data, make_model
 from fsdp_traceable.collectives.inductor_options import inductor_options
-from fsdp_traceable.inspect.inductor_code import CollectiveCopies, collective_copies
+from fsdp_traceable.inspect.inductor_code import CollectiveCopies, collective_copies, overlap
 from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 from tests.fixtures import kernel_cache_only
 
 pytestmark = pytest.mark.slow
@@ -192,3 +196,44 @@ def test_default_schedule_waits_right_after_each_all_gather(default_code: tuple[
             ).check_not("cpp_fused_").check_not("extern_kernels.").check(
                 f"wait_tensor.default({gather.output_buffer})"
             ).run(code)
+
+
+@pytest.fixture(scope="module")
+def whole_step_code(run_inductor_cache_dir) -> str:
+    """Inductor's code for the whole step, with ``inductor_options(raise_collectives=False)``."""
+    if not dynamo_traces_backward_into_dtensors():
+        pytest.skip("this torch's Dynamo cannot trace backward() into DTensor parameters")
+    with kernel_cache_only(run_inductor_cache_dir), fake_process_group(2):
+        model = make_model()
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            return loss.detach()
+
+        options = inductor_options(raise_collectives=False)
+        _, codes = run_and_get_code(fsdp_traceable.compile_step(step, options=options), *data())
+    (code,) = codes
+    return code
+
+
+def test_whole_step_waits_for_each_collective_where_its_result_is_needed(
+        whole_step_code: str) -> None:
+    overlaps = overlap(whole_step_code)
+    # In program order: the root's, block 0's and block 1's all-gathers; block 1's
+    # re-gather, its reduce-scatter; block 0's re-gather, its and the root's
+    # reduce-scatters (the root keeps its parameters). Each is issued where the program
+    # issues it (none before the forward that precedes it: a re-gather stays in backward)
+    # and waited for where its output is first read: block 1's all-gather runs during
+    # block 0's compute, its re-gather during the loss and output layer's backward, its
+    # reduce-scatter during block 0's backward. Block 0's re-gather is needed at once; the
+    # root's reduce-scatter is the step's last collective.
+    assert [(o.kind, bool(o.compute)) for o in overlaps] == [
+        ("all_gather", True), ("all_gather", True), ("all_gather", True), ("all_gather", True),
+        ("reduce_scatter", True), ("all_gather", False), ("reduce_scatter", True),
+        ("reduce_scatter", False),
+    ]
+    assert all(o.waited for o in overlaps)
+    block_1_gather, block_1_regather = overlaps[2], overlaps[3]
+    assert len(block_1_gather.compute) >= 5 and len(block_1_regather.compute) >= 10
+    assert block_1_regather.line > block_1_gather.wait_line

@@ -15,14 +15,17 @@ that compute them (several copy kernels per group, each gradient freed early).
 
 from __future__ import annotations
 
-__all__ = ["OVERLAP_PASSES", "inductor_options"]
+__all__ = ["OVERLAP_PASSES", "SINK_WAITS_ONLY", "inductor_options"]
 
 # Inductor's passes that move collectives for overlap, in the order they run.
 OVERLAP_PASSES = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
+# Of those, the one that only delays waits (see ``raise_collectives``).
+SINK_WAITS_ONLY = ("sink_waits",)
 
 
 def inductor_options(
-    *, overlap: bool = True, group_copy_kernels: bool = True, exact_casts: bool = True
+    *, overlap: bool = True, group_copy_kernels: bool = True, exact_casts: bool = True,
+    raise_collectives: bool = True,
 ) -> dict[str, object]:
     """Inductor config for ``torch.compile(..., options=...)``.
 
@@ -46,19 +49,29 @@ def inductor_options(
             compiled copy is bitwise the eager one
             (``tests/collectives/test_predivide_rounding.py``).
 
+        raise_collectives: with ``overlap``, also issue every collective as early as its
+            inputs allow (``raise_comms``, ``reorder_compute_for_overlap``); ``False``
+            keeps each where the program issues it and only delays its wait. Use
+            ``False`` with :func:`fsdp_traceable.compile_step`: there a resharded
+            group's re-gather in backward reads only the sharded parameters, so raising
+            it moves it to the start of the forward, and that group's unsharded
+            parameters stay alive through the whole forward
+            (``compile_tests/test_inductor_code.py``).
+
     Returns:
         The settings, a ``dict`` of Inductor config names to values (empty when all
         are off).
     """
     switches = (("overlap", overlap), ("group_copy_kernels", group_copy_kernels),
-                ("exact_casts", exact_casts))
+                ("exact_casts", exact_casts), ("raise_collectives", raise_collectives))
     for name, value in switches:
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
     options: dict[str, object] = {}
     if overlap:
         options["reorder_for_compute_comm_overlap"] = True
-        options["reorder_for_compute_comm_overlap_passes"] = list(OVERLAP_PASSES)
+        options["reorder_for_compute_comm_overlap_passes"] = list(
+            OVERLAP_PASSES if raise_collectives else SINK_WAITS_ONLY)
     if group_copy_kernels:
         options["reorder_for_peak_memory"] = False
     if exact_casts:

@@ -4,7 +4,9 @@ Runs a few train steps on a single process (a fake process group stands in for t
 ranks unless one is already initialized), compiling the forward + loss with
 ``torch.compile`` and the backward with compiled autograd, and reports the graphs,
 graph breaks and recompiles (with Dynamo's reasons), the collectives of every graph
-with their sizes, and which Inductor kernels copy into and out of each collective.
+with their sizes, which Inductor kernels copy into and out of each collective, and the
+compute Inductor issued between each collective and its wait. ``whole_step=True``
+compiles forward, loss and backward as one graph instead (:func:`~fsdp_traceable.compile_step`).
 With ``out_dir`` it also writes every graph and the generated code as files, like
 ``TORCH_LOGS="graph_code,aot_graphs,post_grad_graphs,output_code"`` would log them.
 """
@@ -24,10 +26,11 @@ import torch.nn as nn
 
 from ..fsdp import FSDPModule, fully_shard
 from ..models.transformer import Transformer, TransformerConfig, shard_transformer
+from ..whole_step import compile_step
 from .capture import CapturedGraph, InductorCapture, OutputCode
 from .compiles import FrameCompile, GraphBreaks, track_compiles
 from .fake_world import fake_process_group
-from .inductor_code import CollectiveCopies, collective_copies
+from .inductor_code import CollectiveCopies, CollectiveOverlap, collective_copies, overlap
 
 __all__ = ["DEMO_CONFIG", "Report", "explain"]
 
@@ -41,7 +44,8 @@ class Report:
     ``graphs``: every captured graph (Dynamo, AOTAutograd, post-grad), in compile
     order. ``output_code``: Inductor's generated code per AOTAutograd graph.
     ``copies``: per generated code, each collective with its copy-in and copy-out
-    kernels. ``files``: the dumps written to ``out_dir``.
+    kernels. ``overlaps``: per generated code, each collective with the compute issued
+    between its start and its wait. ``files``: the dumps written to ``out_dir``.
     """
 
     world_size: int
@@ -55,6 +59,8 @@ class Report:
     graphs: list[CapturedGraph]
     output_code: list[OutputCode]
     copies: list[tuple[OutputCode, list[CollectiveCopies]]]
+    overlaps: list[tuple[OutputCode, list[CollectiveOverlap]]] = field(default_factory=list)
+    whole_step: bool = False
     files: list[Path] = field(default_factory=list)
 
     @property
@@ -67,9 +73,10 @@ class Report:
         return [graph for graph in self.graphs if graph.stage == stage]
 
     def __str__(self) -> str:
+        backward = ("whole step as one graph" if self.whole_step else
+                    f"compiled autograd {'on' if self.compiled_autograd else 'off'}")
         lines = [
-            f"fsdp_traceable explain: {self.world_size} ranks, {self.steps} steps, compiled "
-            f"autograd {'on' if self.compiled_autograd else 'off'}, "
+            f"fsdp_traceable explain: {self.world_size} ranks, {self.steps} steps, {backward}, "
             f"{'inductor' if self.inductor else 'aot_eager'}",
         ]
         if self.inductor_config:
@@ -104,6 +111,13 @@ class Report:
             for copy in copies:
                 lines.append(f"    {copy.kind:14s} in: {_kernels(copy.copy_in)} | "
                              f"out: {_kernels(copy.copy_out)}")
+        if self.overlaps:
+            lines += ["", "Compute between each collective's start and its wait:"]
+        for output, overlaps in self.overlaps:
+            lines.append(f"  {output.stage} [{output.compile_id}]:")
+            for entry in overlaps:
+                waited = _kernels(entry.compute) if entry.waited else "never waited"
+                lines.append(f"    {entry.kind:14s} line {entry.line:4d}: {waited}")
         if self.files:
             lines += ["", f"Wrote {len(self.files)} files to {self.files[0].parent}"]
         return "\n".join(lines)
@@ -157,6 +171,7 @@ def explain(
     inductor: bool = True,
     config: TransformerConfig | None = None,
     inductor_config: Mapping[str, object] | None = None,
+    whole_step: bool = False,
 ) -> Report:
     """Compiles ``steps`` train steps of a ``fully_shard``-ed model and reports the result.
 
@@ -183,17 +198,24 @@ def explain(
         config: the demo transformer's configuration (``model=None`` only).
         inductor_config: Inductor settings for every compile, e.g.
             :func:`fsdp_traceable.inductor_options` (default: Inductor's own).
+        whole_step: compile forward, loss and backward as one graph with
+            :func:`fsdp_traceable.compile_step` (torch 2.13+); ``compiled_autograd``
+            must then be ``False``.
 
     Returns:
         The :class:`Report`.
     """
     _check_args(model, world_size, steps, inputs, loss_fn, config)
+    if whole_step and compiled_autograd:
+        raise ValueError("whole_step=True compiles the backward into the step's one graph: "
+                         "pass compiled_autograd=False with it")
     ranks = (contextlib.nullcontext() if dist.is_initialized()
              else fake_process_group(world_size, reset_dynamo=False))
     with ranks:
         model, inputs, loss_fn = _prepare(model, inputs, loss_fn, config)
         return _run(model, inputs, loss_fn, steps=steps, compiled_autograd=compiled_autograd,
-                    inductor=inductor, out_dir=out_dir, inductor_config=dict(inductor_config or {}))
+                    inductor=inductor, out_dir=out_dir, inductor_config=dict(inductor_config or {}),
+                    whole_step=whole_step)
 
 
 def _check_args(model, world_size, steps, inputs, loss_fn, config) -> None:
@@ -240,24 +262,33 @@ def _prepare(model, inputs, loss_fn, config):
 
 
 def _run(model, inputs, loss_fn, *, steps, compiled_autograd, inductor, out_dir,
-         inductor_config) -> Report:
+         inductor_config, whole_step) -> Report:
     torch._dynamo.reset()
     capture = InductorCapture(inductor=inductor)
 
     def forward_loss(*args):
         return loss_fn(model, *args)
 
-    compiled = torch.compile(forward_loss, backend=capture.backend)
+    def forward_loss_backward(*args):
+        loss = loss_fn(model, *args)
+        loss.backward()
+        return loss.detach()
+
+    if whole_step:
+        compiled = compile_step(forward_loss_backward, backend=capture.backend)
+    else:
+        compiled = torch.compile(forward_loss, backend=capture.backend)
     backward_compiler = torch.compile(backend=capture.backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with (torch._inductor.config.patch(force_disable_caches=True, **inductor_config),
           track_compiles() as record):
         for _ in range(steps):
             loss = compiled(*inputs)
-            backward = (torch._dynamo.compiled_autograd._enable(backward_compiler)
-                        if compiled_autograd else contextlib.nullcontext())
-            with backward:
-                loss.backward()
+            if not whole_step:
+                backward = (torch._dynamo.compiled_autograd._enable(backward_compiler)
+                            if compiled_autograd else contextlib.nullcontext())
+                with backward:
+                    loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     report = Report(
@@ -272,6 +303,8 @@ def _run(model, inputs, loss_fn, *, steps, compiled_autograd, inductor, out_dir,
         graphs=list(capture.graphs),
         output_code=list(capture.output_code),
         copies=[(code, collective_copies(code.code)) for code in capture.output_code],
+        overlaps=[(code, overlap(code.code)) for code in capture.output_code],
+        whole_step=whole_step,
     )
     if out_dir is not None:
         report.files = _write(report, Path(out_dir))

@@ -18,7 +18,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["CollectiveCopies", "Launch", "collective_kind", "collective_copies", "schedule"]
+__all__ = ["CollectiveCopies", "CollectiveOverlap", "Launch", "collective_kind",
+           "collective_copies", "overlap", "schedule"]
 
 _COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional(?:_autograd)?\.(\w+)\.default\(")
 _KERNEL = re.compile(r"^\s*((?:cpp_fused|triton)_\w+?)(?:\.run)?\(")
@@ -89,6 +90,28 @@ class CollectiveCopies:
     copy_in: list[str] = field(default_factory=list)
     copy_out: list[str] = field(default_factory=list)
     waited: bool = False
+
+
+@dataclass
+class CollectiveOverlap:
+    """One collective and the compute issued between its start and its wait.
+
+    ``compute``: the kernel launches and extern calls (matmuls, fallbacks) after the
+    collective's statement and before the ``wait_tensor`` of its output, in program
+    order: what the collective can overlap with. Empty when it is waited on at once
+    (or never: ``wait_line`` is then ``None``).
+    """
+
+    kind: str
+    op: str
+    line: int
+    compute: list[str] = field(default_factory=list)
+    wait_line: int | None = None
+
+    @property
+    def waited(self) -> bool:
+        """Whether the code waits for the collective."""
+        return self.wait_line is not None
 
 
 def _call_body(code: str) -> list[str]:
@@ -196,5 +219,33 @@ def collective_copies(code: str) -> list[CollectiveCopies]:
                     if (after.kind == "kernel" or after.name.startswith("torch.ops.aten"))
                     and launch.output in after.buffers
                 ]
+            results.append(entry)
+    return results
+
+
+def overlap(code: str) -> list[CollectiveOverlap]:
+    """Each collective in ``code`` with the compute between its start and its wait.
+
+    Args:
+        code: Inductor output code.
+
+    Returns:
+        One :class:`CollectiveOverlap` per non-wait collective, in program order.
+    """
+    results: list[CollectiveOverlap] = []
+    for part in code.split("def call(")[1:]:
+        launches = _schedule_one("def call(" + part)
+        for index, launch in enumerate(launches):
+            if launch.kind in ("kernel", "extern", "wait"):
+                continue
+            entry = CollectiveOverlap(launch.kind, launch.name, launch.line)
+            for later in launches[index + 1 :]:
+                if later.kind == "wait" and launch.output in later.buffers:
+                    entry.wait_line = later.line
+                    break
+                if later.kind in ("kernel", "extern"):
+                    entry.compute.append(later.name)
+            if not entry.waited:
+                entry.compute = []
             results.append(entry)
     return results

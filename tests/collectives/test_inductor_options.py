@@ -8,7 +8,7 @@ import pytest
 import torch._inductor.config as inductor_config
 
 from fsdp_traceable import inductor_options
-from fsdp_traceable.collectives.inductor_options import OVERLAP_PASSES
+from fsdp_traceable.collectives.inductor_options import OVERLAP_PASSES, SINK_WAITS_ONLY
 
 
 def test_every_option_is_an_inductor_config_entry() -> None:
@@ -27,9 +27,12 @@ def test_switches_select_their_own_settings() -> None:
     assert set(inductor_options(group_copy_kernels=False, exact_casts=False)) == {
         "reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
     }
+    assert inductor_options(raise_collectives=False)[
+        "reorder_for_compute_comm_overlap_passes"] == list(SINK_WAITS_ONLY)
 
 
-@pytest.mark.parametrize("name", ["overlap", "group_copy_kernels", "exact_casts"])
+@pytest.mark.parametrize("name", ["overlap", "group_copy_kernels", "exact_casts",
+                                  "raise_collectives"])
 def test_rejects_a_non_bool_switch(name: str) -> None:
     with pytest.raises(TypeError, match=f"{name} must be a bool"):
         inductor_options(**{name: "yes"})

@@ -13,6 +13,7 @@ import torch.nn as nn
 from fsdp_traceable.cli.main import main
 from fsdp_traceable.inspect.explain import explain
 from fsdp_traceable.models.transformer import Transformer, TransformerConfig
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 
 CONFIG = TransformerConfig(vocab_size=64, dim=16, n_layers=1, n_heads=4, max_seq_len=8)
 WORLD = 2
@@ -85,6 +86,11 @@ def test_explain_inductor_compiled_autograd(tmp_path) -> None:
     text = str(report)
     assert (tmp_path / "report.txt").read_text() == text + "\n"
     assert "Graph breaks: 0" in text and "(recompiles: 0)" in text
+    # Inductor's defaults wait for every collective before any compute reads anything.
+    assert [[(o.kind, o.compute) for o in overlaps] for _, overlaps in report.overlaps] == [
+        [("all_gather", []), ("all_gather", [])],
+        [("all_gather", []), ("reduce_scatter", []), ("reduce_scatter", [])]]
+    assert "Compute between each collective's start and its wait:" in text
 
 
 def test_explain_user_model_aot_eager_without_compiled_autograd() -> None:
@@ -123,7 +129,22 @@ def test_cli_explain_prints_the_report_and_writes_dumps(tmp_path, capsys) -> Non
     assert (tmp_path / "dynamo_graph_0.py").exists()
 
 
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(), reason="needs torch 2.13+")
+def test_cli_explains_the_whole_step_as_one_graph(capsys) -> None:
+    assert main(["explain", "--layers", "2", "--dim", "16", "--steps", "2", "--aot-eager",
+                 "--whole-step"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("fsdp_traceable explain: 2 ranks, 2 steps, whole step as one "
+                              "graph, aot_eager")
+    assert "Frames compiled: 1 (recompiles: 0)" in printed and "Graph breaks: 0" in printed
+    # One graph: 3 all-gathers, each block's again, 3 reduce-scatters.
+    (inference,) = [line for line in printed.splitlines() if "aot_inference" in line]
+    assert "all_gather x5" in inference and "reduce_scatter x3" in inference
+
+
 def test_explain_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="pass compiled_autograd=False with it"):
+        explain(whole_step=True)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         explain(steps=0)
     with pytest.raises(ValueError, match="world_size must be an int >= 1"):
