@@ -23,7 +23,8 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use AOTAutograd's backward instead of compiled autograd")
     parser.add_argument("--inductor-options", action="store_true",
                         help="compile with fsdp_traceable.inductor_options() (overlap passes, "
-                        "one reduce-scatter copy-in kernel per group)")
+                        "one reduce-scatter copy-in kernel per group; with --whole-step, "
+                        "raise_collectives=False)")
     parser.add_argument("--whole-step", action="store_true",
                         help="forward, loss and backward as one graph (fsdp_traceable."
                         "compile_step, torch 2.13+) instead of compiled autograd")
@@ -49,7 +50,8 @@ def run_explain_command(args: argparse.Namespace) -> int:
         world_size=args.world_size, out_dir=args.out, steps=args.steps, config=config,
         compiled_autograd=not (args.no_compiled_autograd or args.whole_step),
         whole_step=args.whole_step, inductor=not args.aot_eager,
-        inductor_config=inductor_options() if args.inductor_options else None,
+        inductor_config=(inductor_options(raise_collectives=not args.whole_step)
+                         if args.inductor_options else None),
     )
     print(report)
     return 0
