@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["CollectiveCopies", "CollectiveOverlap", "Launch", "collective_kind",
@@ -195,31 +196,23 @@ def collective_copies(code: str) -> list[CollectiveCopies]:
         One :class:`CollectiveCopies` per non-wait collective, in program order.
     """
     results: list[CollectiveCopies] = []
-    for part in code.split("def call(")[1:]:
-        launches = _schedule_one("def call(" + part)
-        for index, launch in enumerate(launches):
-            if launch.kind in ("kernel", "extern", "wait"):
-                continue
-            entry = CollectiveCopies(launch.kind, launch.name, launch.line,
-                                     launch.input or "", launch.output or "")
-            entry.copy_in = [
-                before.name for before in launches[:index]
-                if before.kind in ("kernel", "extern") and launch.input in before.buffers
+    for launches, index, waited_at in _collectives(code):
+        launch = launches[index]
+        entry = CollectiveCopies(launch.kind, launch.name, launch.line,
+                                 launch.input or "", launch.output or "")
+        entry.copy_in = [
+            before.name for before in launches[:index]
+            if before.kind in ("kernel", "extern") and launch.input in before.buffers
+        ]
+        if waited_at is not None:
+            entry.waited = True
+            # Extern kernels (matmuls) reading the output directly are compute, not copies.
+            entry.copy_out = [
+                after.name for after in launches[waited_at + 1 :]
+                if (after.kind == "kernel" or after.name.startswith("torch.ops.aten"))
+                and launch.output in after.buffers
             ]
-            waited_at = next(
-                (i for i, later in enumerate(launches[index + 1 :], index + 1)
-                 if later.kind == "wait" and launch.output in later.buffers),
-                None,
-            )
-            if waited_at is not None:
-                entry.waited = True
-                # Extern kernels (matmuls) reading the output directly are compute, not copies.
-                entry.copy_out = [
-                    after.name for after in launches[waited_at + 1 :]
-                    if (after.kind == "kernel" or after.name.startswith("torch.ops.aten"))
-                    and launch.output in after.buffers
-                ]
-            results.append(entry)
+        results.append(entry)
     return results
 
 
@@ -233,19 +226,28 @@ def overlap(code: str) -> list[CollectiveOverlap]:
         One :class:`CollectiveOverlap` per non-wait collective, in program order.
     """
     results: list[CollectiveOverlap] = []
+    for launches, index, waited_at in _collectives(code):
+        launch = launches[index]
+        entry = CollectiveOverlap(launch.kind, launch.name, launch.line)
+        if waited_at is not None:
+            entry.wait_line = launches[waited_at].line
+            entry.compute = [between.name for between in launches[index + 1 : waited_at]
+                             if between.kind in ("kernel", "extern")]
+        results.append(entry)
+    return results
+
+
+def _collectives(code: str) -> Iterator[tuple[list[Launch], int, int | None]]:
+    """Per non-wait collective of every ``call`` in ``code``: that call's launches, the
+    collective's index in them and its wait's (``None`` if never waited)."""
     for part in code.split("def call(")[1:]:
         launches = _schedule_one("def call(" + part)
         for index, launch in enumerate(launches):
             if launch.kind in ("kernel", "extern", "wait"):
                 continue
-            entry = CollectiveOverlap(launch.kind, launch.name, launch.line)
-            for later in launches[index + 1 :]:
-                if later.kind == "wait" and launch.output in later.buffers:
-                    entry.wait_line = later.line
-                    break
-                if later.kind in ("kernel", "extern"):
-                    entry.compute.append(later.name)
-            if not entry.waited:
-                entry.compute = []
-            results.append(entry)
-    return results
+            waited_at = next(
+                (i for i, later in enumerate(launches[index + 1 :], index + 1)
+                 if later.kind == "wait" and launch.output in later.buffers),
+                None,
+            )
+            yield launches, index, waited_at

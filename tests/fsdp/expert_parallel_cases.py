@@ -44,13 +44,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 import fsdp_traceable
 from fsdp_traceable.testing import track_compiles
+from tests.fsdp.tensor_parallel_cases import TinyLM, train
 
 # torch 2.13's names; the older ones (deprecated there) before.
 _all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
 _reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd",
                           funcol.reduce_scatter_tensor_autograd)
 
-VOCAB, DIM, HIDDEN, N_EXPERTS, TOP_K, BATCH, SEQ, N_BLOCKS = 16, 16, 8, 4, 2, 2, 4, 2
+DIM, HIDDEN, N_EXPERTS, TOP_K = 16, 8, 4, 2  # vocabulary, blocks and batches: TinyLM's
 
 
 class FeedForward(nn.Module):
@@ -110,22 +111,9 @@ class Block(nn.Module):
         return x + self.moe(self.ffn_norm(x))
 
 
-class TinyMoE(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(N_BLOCKS))
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+def TinyMoE() -> TinyLM:  # noqa: N802  (a model class, in effect)
+    """The MoE model: :class:`TinyLM` with MoE blocks at this file's width."""
+    return TinyLM(block=Block, dim=DIM)
 
 
 class ExpertParallel(ParallelStyle):
@@ -159,7 +147,7 @@ def moe_meshes() -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
     return dp, mesh["dp_shard_mod_ep"], ep
 
 
-def apply_fsdp(model: TinyMoE, dp: DeviceMesh, edp: DeviceMesh,
+def apply_fsdp(model: TinyLM, dp: DeviceMesh, edp: DeviceMesh,
                fully_shard: Callable[..., Any], experts_dim: int, **kwargs: Any) -> None:
     """torchtitan Llama 4's ``apply_fsdp``: experts on ``edp``, then blocks and root on
     dp (``kwargs`` to every ``fully_shard``)."""
@@ -176,7 +164,7 @@ def apply_fsdp(model: TinyMoE, dp: DeviceMesh, edp: DeviceMesh,
 
 
 def moe_pair(meshes: tuple[DeviceMesh, DeviceMesh, DeviceMesh], experts_dim: int,
-             **kwargs: Any) -> tuple[TinyMoE, TinyMoE]:
+             **kwargs: Any) -> tuple[TinyLM, TinyLM]:
     """(torch FSDP2's, ours): one init, EP on ``ep``, FSDP as torchtitan's on the
     ``moe_meshes()`` ``meshes``."""
     dp, edp, ep = meshes
@@ -190,37 +178,6 @@ def moe_pair(meshes: tuple[DeviceMesh, DeviceMesh, DeviceMesh], experts_dim: int
         apply_fsdp(model, dp, edp, fully_shard, experts_dim, **kwargs)
         models.append(model)
     return models[0], models[1]
-
-
-def _layout(tensor: DTensor) -> tuple:
-    return tuple(tensor.device_mesh.mesh_dim_names), tuple(tensor.placements)
-
-
-def train(model: TinyMoE, dp_rank: int, steps: int, loss_of: Callable | None = None,
-          backward_context: Callable | None = None) -> dict[str, Any]:
-    """Losses, first-step gradients and final shards (layout and local values)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
-    loss_of = loss_of or model.loss
-    losses, grads = [], None
-    for step in range(steps):
-        generator = torch.Generator().manual_seed(100 + 10 * step + dp_rank)
-        tokens, targets = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-                           for _ in range(2))
-        loss = loss_of(tokens, targets)
-        if backward_context is None:
-            loss.backward()
-        else:
-            with backward_context():
-                loss.backward()
-        if step == 0:
-            grads = {n: (_layout(p.grad), p.grad.to_local().clone())
-                     for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads,
-            "params": {n: (_layout(p), p.to_local().detach().clone())
-                       for n, p in model.named_parameters()}}
 
 
 def eager_parity(steps: int = 2) -> dict[Any, Any]:

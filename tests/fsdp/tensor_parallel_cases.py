@@ -34,7 +34,6 @@ from torch.distributed.tensor.parallel import (
 
 import fsdp_traceable
 from fsdp_traceable.testing import track_compiles
-from tests.fsdp import expert_parallel_cases
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ, N_BLOCKS = 16, 8, 16, 2, 4, 2
 
@@ -60,12 +59,14 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self) -> None:
+    """Embedding, ``N_BLOCKS`` blocks of ``block()`` (width ``dim``), norm and output."""
+
+    def __init__(self, block: Callable[[], nn.Module] = Block, dim: int = DIM) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(N_BLOCKS))
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(block() for _ in range(N_BLOCKS))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -219,8 +220,9 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
     """Losses, first-step gradients (layout and local values), final shards and layouts;
     eager, also the layouts of the weights a feed-forward computes with."""
     seen: dict[str, tuple] = {}
-    eager = loss_of is None
-    if eager:  # eager only: the hook is not part of what is compiled
+    # Eager only (the hook is not part of what is compiled), on a feed-forward block.
+    eager = loss_of is None and hasattr(model.layers[0], "feed_forward")
+    if eager:
         hook = model.layers[0].feed_forward.register_forward_hook(
             lambda module, args, output: seen.update(
                 w1=layout(module.w1.weight), w2=layout(module.w2.weight)))
@@ -278,6 +280,8 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch 2.12+
         result["spmd"] = spmd_parity(mesh, dp_rank)
     result["dp_shard_cp"] = flattened_mesh_parity()
+    from tests.fsdp import expert_parallel_cases  # (which builds on this file's TinyLM)
+
     result["moe"] = expert_parallel_cases.eager_parity()
     result["errors"] = rejected_inputs(mesh)
     dist.barrier()
