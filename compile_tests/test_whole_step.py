@@ -1,9 +1,11 @@
 """The whole training step as one graph (:func:`fsdp_traceable.compile_step`): forward,
 loss and ``loss.backward()`` traced together, against torch's FSDP2 eager on 2 gloo
-ranks; its graph's collectives and what it keeps from forward for backward, on the
+ranks (the built-in transformer and Hugging Face's ``LlamaForCausalLM``); its graph's collectives and what it keeps from forward for backward, on the
 fake process group."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -26,14 +28,22 @@ needs_whole_step = pytest.mark.skipif(
 @needs_whole_step
 @pytest.mark.gloo
 def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
+    # The built-in transformer per setting, and Hugging Face's Llama: bit for bit.
     # The default (blocks reshard, the root keeps its parameters) and no resharding;
     # True only adds the root to the re-gathered groups (the graph test below).
     settings = (None, False)
     from compile_tests import whole_step_cases  # (its FSDP2 reference needs torch 2.12+)
 
+    with_llama = importlib.util.find_spec("transformers") is not None
     results = run_on_local_ranks(whole_step_cases.train_each, 2, settings, "aot_eager",
-                                 timeout_s=300)
+                                 with_llama, timeout_s=300)
     for rank, by_setting in enumerate(results):
+        if with_llama:  # Hugging Face's LlamaForCausalLM, built on meta
+            theirs, ours = by_setting["llama"]["theirs"], by_setting["llama"]["ours"]
+            assert ours["frames"] == 1 and ours["graph_breaks"] == {}, f"rank {rank} llama"
+            assert ours["losses"] == theirs["losses"], f"rank {rank} llama"
+            for name, param in theirs["params"].items():
+                assert torch.equal(ours["params"][name], param), f"rank {rank} llama {name}"
         for setting in settings:
             theirs, ours = by_setting[setting]["theirs"], by_setting[setting]["ours"]
             what = f"rank {rank} reshard_after_forward={setting}"

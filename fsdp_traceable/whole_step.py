@@ -75,7 +75,8 @@ def compile_step(
     returns what it likes (typically the detached loss). Gradients land in ``.grad``
     as DTensors, exactly as in eager; groups with ``reshard_after_forward=True``
     all-gather again in the backward instead of keeping their unsharded parameters.
-    Call ``optimizer.step()`` and ``zero_grad()`` outside ``step``. Compiled with
+    Call ``optimizer.step()`` and ``zero_grad()`` outside ``step`` (torch's optimizers
+    graph-break at ``step()`` on purpose). Compiled with
     ``fullgraph=True``: a graph break is an error, never a silent split. A restarted
     process finds the step in AOTAutograd's and Inductor's caches.
 
