@@ -1,7 +1,7 @@
 """The whole training step as one graph (:func:`fsdp_traceable.compile_step`): forward,
 loss and ``loss.backward()`` traced together, against torch's FSDP2 eager on 2 gloo
-ranks (the built-in transformer and Hugging Face's ``LlamaForCausalLM``); its graph's collectives and what it keeps from forward for backward, on the
-fake process group."""
+ranks (the built-in transformer and Hugging Face's ``LlamaForCausalLM``); its graph's
+collectives and what it keeps from forward for backward, on the fake process group."""
 
 from __future__ import annotations
 
