@@ -32,6 +32,7 @@ from ..models.transformer import (
 from ..whole_step import compile_step
 from .data import synthetic_batch
 from .launch import resolve_device, run_on_ranks
+from .pipeline import build_pipeline
 
 MODES = ("eager", "compile", "compile-ca", "whole-step")
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -45,6 +46,7 @@ class TrainArgs:
     mp: str | None = None
     hsdp: bool = False
     tp: int = 1
+    pp: int = 1
     world_size: int = 2
     dim: int = 128
     layers: int = 4
@@ -78,6 +80,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=defaults.tp,
                         help="tensor-parallel degree: a (dp, tp) mesh, each block's attention "
                              "and feed-forward split over tp ranks, fully_shard on dp")
+    parser.add_argument("--pp", type=int, default=defaults.pp,
+                        help="pipeline-parallel degree: a (pp, dp) mesh, the blocks cut into "
+                             "pp stages (GPipe, pp microbatches), each fully_shard-ed on dp")
     parser.add_argument("--world-size", type=int, default=defaults.world_size,
                         help="local gloo ranks to spawn when not under torchrun")
     for name in ("dim", "layers", "heads", "vocab_size", "seq_len", "batch_size", "seed"):
@@ -110,6 +115,19 @@ def train_args_from(namespace: argparse.Namespace) -> TrainArgs:
                          f"{args.world_size}")
     if args.tp > 1 and args.hsdp:
         raise ValueError("--tp with --hsdp is not supported by the CLI: use one of them")
+    if args.pp < 1 or args.world_size % args.pp:
+        raise ValueError(f"--pp {args.pp} must be at least 1 and divide --world-size "
+                         f"{args.world_size}")
+    if args.pp > 1:
+        if args.tp > 1 or args.hsdp:
+            raise ValueError("--pp with --tp or --hsdp is not supported by the CLI: use one")
+        if args.mode != "eager":
+            raise ValueError(f"--pp runs --mode eager only in the CLI, got --mode {args.mode}")
+        if args.pp > args.layers:
+            raise ValueError(f"--pp {args.pp} needs at least as many --layers, got {args.layers}")
+        if args.batch_size % args.pp:
+            raise ValueError(f"--batch-size {args.batch_size} must divide into --pp {args.pp} "
+                             "microbatches")
     check_tensor_parallel(args.config, args.tp)
     return args
 
@@ -192,24 +210,33 @@ def forward_backward_of(mode: str, model: Transformer, forward_backend: Any = "i
 
 def _train_rank(args: TrainArgs, result_path: str) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # The ranks of one tensor-parallel group (consecutive ranks) train on the same batch.
-    dp_rank, dp_size = rank // args.tp, world_size // args.tp
     device = resolve_device(args.device)
-    model = build_model(args, device)
-    optimizer = make_optimizer(args, model.parameters())
     forward_counter = CompileCounterWithBackend(args.backend)
     backward_counter = CompileCounterWithBackend(args.backend)
-    forward_backward = forward_backward_of(args.mode, model, forward_counter, backward_counter)
+    if args.pp > 1:
+        pipeline, dp_rank, dp_size = build_pipeline(args.config, args.pp, args.pp, device,
+                                                    mp_policy_for(args), args.seed)
+        params, forward_backward = list(pipeline.stage.parameters()), pipeline
+        loss_holders = dp_size  # the last stage's ranks
+    else:
+        # The ranks of one tensor-parallel group (consecutive ranks) train on the same batch.
+        dp_rank, dp_size = rank // args.tp, world_size // args.tp
+        model = build_model(args, device)
+        params = list(model.parameters())
+        forward_backward = forward_backward_of(args.mode, model, forward_counter, backward_counter)
+        loss_holders = world_size
+    optimizer = make_optimizer(args, params)
     losses, step_times = [], []
     for step in range(args.steps):
         start = time.perf_counter()
         loss = forward_backward(*batch_for(args, step, dp_rank, dp_size, device))
         optimizer.step()
         optimizer.zero_grad()
-        mean_loss = loss.detach().float().clone()
+        mean_loss = (torch.zeros((), device=device) if loss is None
+                     else loss.detach().float().clone())
         dist.all_reduce(mean_loss)
         step_times.append(time.perf_counter() - start)
-        losses.append(mean_loss.item() / world_size)
+        losses.append(mean_loss.item() / loss_holders)
         if rank == 0:
             _progress(step + 1, args.steps, losses[-1], step_times[-1])
     if rank == 0:
@@ -255,7 +282,7 @@ def train(args: TrainArgs) -> dict:
         with open(result_path) as f:
             result = json.load(f)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    reference = reference_losses(args, world_size // args.tp)
+    reference = reference_losses(args, world_size // (args.tp * args.pp))
     result["reference_losses"] = reference
     result["final_loss_difference"] = result["losses"][-1] - reference[-1]
     result["args"] = asdict(args)
@@ -266,11 +293,12 @@ def format_summary(result: dict) -> str:
     args = result["args"]
     steady = sorted(result["step_times_s"][1:] or result["step_times_s"])
     mode = args["mode"] if args["mode"] == "eager" else f"{args['mode']} (backend {args['backend']})"
-    tp = args.get("tp", 1)
+    tp, pp = args.get("tp", 1), args.get("pp", 1)
     lines = [
         f"mode {mode}, {args['steps']} steps, world size "
         f"{args['world_size']}{' (HSDP)' if args['hsdp'] else ''}"
         f"{f', tensor parallel {tp}' if tp > 1 else ''}"
+        f"{f', pipeline parallel {pp} (GPipe)' if pp > 1 else ''}"
         f"{', bf16 mixed precision' if args['mp'] else ''}",
         f"final loss           {result['losses'][-1]:.6f}  (first {result['losses'][0]:.4f}, "
         f"log(vocab) {math.log(args['vocab_size']):.4f})",

@@ -96,6 +96,42 @@ class Transformer(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class TransformerStage(nn.Module):
+    """One pipeline stage of a :class:`Transformer`: consecutive blocks, with the
+    embeddings on the first stage and the final norm and output on the last.
+
+    Args:
+        model: the whole model; the stage takes its modules (not copies).
+        stage_index: this stage's index, ``0 <= stage_index < n_stages``.
+        n_stages: how many stages the blocks are split into (as evenly as they go,
+            earlier stages one block more); at most the number of blocks.
+    """
+
+    def __init__(self, model: Transformer, stage_index: int, n_stages: int) -> None:
+        super().__init__()
+        n_layers = len(model.layers)
+        if not 0 <= stage_index < n_stages <= n_layers:
+            raise ValueError(f"stage {stage_index} of {n_stages}: needs 0 <= stage_index < "
+                             f"n_stages <= the number of blocks ({n_layers})")
+        per_stage, extra = divmod(n_layers, n_stages)
+        start = stage_index * per_stage + min(stage_index, extra)
+        end = start + per_stage + (stage_index < extra)
+        self.is_first, self.is_last = stage_index == 0, stage_index == n_stages - 1
+        self.tok_embeddings = model.tok_embeddings if self.is_first else None
+        self.pos_embeddings = model.pos_embeddings if self.is_first else None
+        self.layers = nn.ModuleList(model.layers[start:end])
+        self.norm = model.norm if self.is_last else None
+        self.output = model.output if self.is_last else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.is_first:  # h: the tokens
+            positions = torch.arange(h.size(1), device=h.device)
+            h = self.tok_embeddings(h) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h)) if self.is_last else h
+
+
 def shard_transformer(model: Transformer, fully_shard_fn, **kwargs) -> Transformer:
     """Applies ``fully_shard_fn`` (ours or torch's) per block, then to the root."""
     for layer in model.layers:

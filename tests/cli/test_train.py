@@ -1,5 +1,5 @@
 """The ``train`` and ``bench`` commands end to end on 2 local gloo ranks (4 with tensor
-parallelism; tiny model)."""
+or pipeline parallelism; tiny model)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,15 @@ def test_tensor_parallel_training_on_four_ranks_matches_unsharded_reference(caps
     assert abs(difference) < 1e-5
 
 
+def test_pipeline_parallel_training_on_four_ranks_matches_unsharded_reference(capsys) -> None:
+    main(["train", "--pp", "2", "--world-size", "4", "--steps", "3", "--device", "cpu",
+          *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]])
+    out = capsys.readouterr().out
+    assert "world size 4, pipeline parallel 2 (GPipe)" in out
+    difference = float(out.split("(difference ")[1].split(")")[0])
+    assert abs(difference) < 1e-5
+
+
 def test_bench_reports_every_requested_mode(tmp_path) -> None:
     modes = ("fsdp2-eager", "eager", "compute-only", "comm-only")
     report = run_bench(TrainArgs(**TINY), steps=2, modes=modes)
@@ -77,5 +86,13 @@ def test_cli_rejects_bad_arguments() -> None:
         main(["train", "--tp", "2", "--world-size", "4", "--hsdp"])
     with pytest.raises(ValueError, match=r"n_heads \(4\) must divide by the tensor-parallel degree \(8\)"):
         main(["train", "--tp", "8", "--world-size", "8"])
+    with pytest.raises(ValueError, match="--pp 3 must be at least 1 and divide --world-size 4"):
+        main(["train", "--pp", "3", "--world-size", "4"])
+    with pytest.raises(ValueError, match="--pp with --tp or --hsdp"):
+        main(["train", "--pp", "2", "--tp", "2", "--world-size", "4"])
+    with pytest.raises(ValueError, match="--pp runs --mode eager only"):
+        main(["train", "--pp", "2", "--mode", "compile"])
+    with pytest.raises(ValueError, match="--batch-size 3 must divide into --pp 2"):
+        main(["train", "--pp", "2", "--batch-size", "3"])
     with pytest.raises(ValueError, match="unknown bench modes"):
         main(["bench", "--modes", "eager,warp-speed"])
