@@ -335,7 +335,7 @@ def complete_whole_step_recompute() -> bool:
     A forward-loss-backward graph (``loss.backward()`` traced with
     ``torch._dynamo.config.trace_autograd_ops``) re-runs recompute-tagged ops (the
     all-gather of a group that reshards after forward) right before the backward nodes
-    that use them. Two gaps in torch's pass (measured on 2.13, 2.14):
+    that use them. Two gaps in torch's pass (measured on 2.12 to 2.14):
 
     * It finds the backward by the ``autograd_backward`` mark on its nodes, and the
       nodes of a Dynamo-traced ``autograd.Function``'s backward lose that mark

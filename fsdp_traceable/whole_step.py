@@ -37,7 +37,7 @@ def dynamo_traces_backward_into_dtensors() -> bool:
 
     Torch 2.11 can trace ``backward()`` (``trace_autograd_ops``) but asserts every
     tensor it differentiates is a plain fake tensor, so a step over ``fully_shard``'s
-    DTensor parameters fails in Dynamo; torch 2.13 and 2.14 accept tensor subclasses.
+    DTensor parameters fails in Dynamo; torch 2.12 to 2.14 accept tensor subclasses.
     """
     if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
         return False
@@ -100,7 +100,7 @@ def compile_step(
     if not dynamo_traces_backward_into_dtensors():
         raise RuntimeError(
             f"compile_step needs a torch whose Dynamo traces backward() into DTensor "
-            f"parameters (2.13 or newer); torch {torch.__version__} cannot. Compile the "
+            f"parameters (2.12 or newer); torch {torch.__version__} cannot. Compile the "
             "model with compiled autograd instead (see the recipes in the README)"
         )
     _torch_patches.complete_whole_step_recompute()

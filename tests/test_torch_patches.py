@@ -300,7 +300,7 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups() -> None:
         try:
             with (torch._dynamo.config.patch(trace_autograd_ops=True),
                   torch._functorch.config.patch(enable_autograd_cache=False),
-                  pytest.raises(Exception, match="2 disjoint backward regions that require")):
+                  pytest.raises(Exception, match="disjoint backward regions")):
                 torch.compile(step, backend="aot_eager", fullgraph=True)(torch.zeros(2, 8, dtype=torch.long))
         finally:
             module.remat_using_tags_for_fwd_loss_bwd_graph = patched

@@ -46,7 +46,7 @@ _OURS = ("eager", "compile", "compile-ca", "whole-step", "compile-blocks", "comp
 
 
 def default_modes() -> tuple[str, ...]:
-    """Every mode of ``MODES`` this torch runs (``whole-step`` needs torch 2.13+)."""
+    """Every mode of ``MODES`` this torch runs (``whole-step`` needs torch 2.12+)."""
     return tuple(m for m in MODES if m != "whole-step" or dynamo_traces_backward_into_dtensors())
 
 

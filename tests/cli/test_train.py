@@ -38,7 +38,7 @@ def test_compiled_autograd_training_reports_graphs() -> None:
     assert "1 forward graph(s), 1 compiled-autograd graph(s), 0 graph break(s)" in format_summary(result)
 
 
-@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(), reason="needs torch 2.13+")
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(), reason="needs torch 2.12+")
 def test_whole_step_training_reports_one_graph() -> None:
     result = train(TrainArgs(mode="whole-step", backend="aot_eager", steps=3, **TINY))
     assert abs(result["final_loss_difference"]) < 1e-5
