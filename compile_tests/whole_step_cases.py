@@ -5,6 +5,7 @@ built-in transformer and Hugging Face's ``LlamaForCausalLM``."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_traceable
 from fsdp_traceable.models.transformer import shard_transformer
-from tests.fsdp.parity_cases import LIBRARIES, uneven_transformer
+from tests.fsdp.parity_cases import LIBRARIES, UNEVEN, uneven_transformer
 from tests.fsdp.parity_utils import batch, make_optimizer
 
 STEPS = 3
@@ -37,87 +38,62 @@ def train_each(rank: int, world_size: int, settings: tuple[bool | None, ...],
 
 def train(rank: int, world_size: int, reshard_after_forward: bool | None,
           backend: str) -> dict[str, Any]:
-    """``STEPS`` AdamW steps of the uneven two-block transformer, per library.
-
-    Returns:
-        Per library: ``losses``, ``grads`` (first step's local gradients and their
-        placements), ``params`` (final local shards); ours also ``frames`` (graphs
-        compiled over all steps) and ``graph_breaks``.
-    """
+    """``STEPS`` AdamW steps of the uneven two-block transformer, per library
+    (:func:`_train`)."""
     base = uneven_transformer()
-    result: dict[str, Any] = {}
-    for name, fully_shard_fn in LIBRARIES:
-        model = shard_transformer(copy.deepcopy(base), fully_shard_fn,
-                                  reshard_after_forward=reshard_after_forward)
-        optimizer = make_optimizer("adamw", model.parameters())
-
-        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = model.loss(tokens, targets)
-            loss.backward()
-            return loss.detach()
-
-        counter = None
-        if name == "ours":
-            torch._dynamo.reset()
-            counters.clear()
-            counter = CompileCounterWithBackend(backend)
-            step = fsdp_traceable.compile_step(step, backend=counter)
-        losses, grads = [], {}
-        for index in range(STEPS):
-            losses.append(step(*batch(index, rank, world_size)).item())
-            if index == 0:
-                grads = {n: (type(p.grad).__name__, p.grad.placements, _local(p.grad).clone())
-                         for n, p in model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad()
-        result[name] = {
-            "losses": losses,
-            "grads": grads,
-            "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()},
-        }
-        if counter is not None:
-            result[name]["frames"] = counter.frame_count
-            result[name]["graph_breaks"] = dict(counters["graph_break"])
-    return result
+    return {name: _train(shard_transformer(copy.deepcopy(base), fully_shard_fn,
+                                           reshard_after_forward=reshard_after_forward),
+                         lambda model, tokens, targets: model.loss(tokens, targets),
+                         name == "ours", rank, world_size, backend)
+            for name, fully_shard_fn in LIBRARIES}
 
 
 def llama(rank: int, world_size: int, backend: str) -> dict[str, Any]:
     """The tiny Hugging Face ``LlamaForCausalLM`` built on meta and sharded per decoder
-    layer and at the root (as ``tests/fsdp/parity_cases.llama_meta_init``): ``STEPS``
-    AdamW steps, FSDP2 eager against ours with the whole step compiled.
-
-    Returns:
-        Per library ``losses`` and ``params`` (final local shards); ours also ``frames``
-        and ``graph_breaks``.
-    """
+    layer and at the root (as ``tests/fsdp/parity_cases.llama_meta_init``), per library
+    (:func:`_train`)."""
     from tests.fsdp import parity_cases
-    from tests.fsdp.parity_cases import UNEVEN
 
     reference_buffers = parity_cases.llama_buffers()
-    result: dict[str, Any] = {}
-    for name, fully_shard_fn in LIBRARIES:
-        model = parity_cases.llama_from_meta(fully_shard_fn, reference_buffers)
-        optimizer = make_optimizer("adamw", model.parameters())
+    return {name: _train(parity_cases.llama_from_meta(fully_shard_fn, reference_buffers),
+                         lambda model, tokens, targets: model(input_ids=tokens, labels=targets).loss,
+                         name == "ours", rank, world_size, backend)
+            for name, fully_shard_fn in LIBRARIES}
 
-        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = model(input_ids=tokens, labels=targets).loss
-            loss.backward()
-            return loss.detach()
 
-        counter = None
-        if name == "ours":
-            torch._dynamo.reset()
-            counters.clear()
-            counter = CompileCounterWithBackend(backend)
-            step = fsdp_traceable.compile_step(step, backend=counter)
-        losses = []
-        for index in range(STEPS):
-            losses.append(step(*batch(index, rank, world_size, UNEVEN)).item())
-            optimizer.step()
-            optimizer.zero_grad()
-        result[name] = {"losses": losses,
-                        "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()}}
-        if counter is not None:
-            result[name]["frames"] = counter.frame_count
-            result[name]["graph_breaks"] = dict(counters["graph_break"])
+def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_step: bool,
+           rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of ``model``, eagerly or with the whole step compiled.
+
+    Returns:
+        ``losses``, ``grads`` (first step's local gradients and their placements),
+        ``params`` (final local shards); compiled, also ``frames`` (graphs compiled over
+        all steps) and ``graph_breaks``.
+    """
+    optimizer = make_optimizer("adamw", model.parameters())
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(model, tokens, targets)
+        loss.backward()
+        return loss.detach()
+
+    counter = None
+    if whole_step:
+        torch._dynamo.reset()
+        counters.clear()
+        counter = CompileCounterWithBackend(backend)
+        step = fsdp_traceable.compile_step(step, backend=counter)
+    losses, grads = [], {}
+    for index in range(STEPS):
+        losses.append(step(*batch(index, rank, world_size, UNEVEN)).item())
+        if index == 0:
+            grads = {n: (type(p.grad).__name__, p.grad.placements, _local(p.grad).clone())
+                     for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    result = {"losses": losses, "grads": grads,
+              "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()}}
+    if counter is not None:
+        result["frames"] = counter.frame_count
+        result["graph_breaks"] = dict(counters["graph_break"])
     return result

@@ -46,20 +46,14 @@ def test_whole_step_training_reports_one_graph() -> None:
     assert "1 whole-step graph(s), 0 graph break(s), 0 recompile(s)" in format_summary(result)
 
 
-def test_tensor_parallel_training_on_four_ranks_matches_unsharded_reference(capsys) -> None:
-    main(["train", "--tp", "2", "--world-size", "4", "--steps", "3", "--device", "cpu",
+@pytest.mark.parametrize("flag, described", [("--tp", "tensor parallel 2"),
+                                               ("--pp", "pipeline parallel 2 (GPipe)")])
+def test_two_way_model_parallel_on_four_ranks_matches_unsharded_reference(
+        capsys, flag: str, described: str) -> None:
+    main(["train", flag, "2", "--world-size", "4", "--steps", "3", "--device", "cpu",
           *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]])
     out = capsys.readouterr().out
-    assert "world size 4, tensor parallel 2" in out
-    difference = float(out.split("(difference ")[1].split(")")[0])
-    assert abs(difference) < 1e-5
-
-
-def test_pipeline_parallel_training_on_four_ranks_matches_unsharded_reference(capsys) -> None:
-    main(["train", "--pp", "2", "--world-size", "4", "--steps", "3", "--device", "cpu",
-          *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]])
-    out = capsys.readouterr().out
-    assert "world size 4, pipeline parallel 2 (GPipe)" in out
+    assert f"world size 4, {described}" in out
     difference = float(out.split("(difference ")[1].split(")")[0])
     assert abs(difference) < 1e-5
 
