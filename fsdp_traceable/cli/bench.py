@@ -13,7 +13,6 @@ maximum is the step time perfect overlap would reach.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -71,27 +70,13 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
     if mode == "comm-only":
         return _comm_only_step(model, device), model
     optimizer = make_optimizer(args, model.parameters())
-    if mode == "whole-step":
-        forward_backward = forward_backward_of(mode, model)
-
-        def whole_step_fn(step: int) -> None:
-            forward_backward(*batch_for(args, step, rank, world_size, device))
-            optimizer.step()
-            optimizer.zero_grad()
-
-        return whole_step_fn, model
-    loss_fn = model.loss
-    if mode in ("compile", "compile-ca", "compute-only-compiled"):
-        loss_fn = torch.compile(model.loss, fullgraph=True)
-    backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    if mode in ("compile-ca", "compile-blocks-ca"):
-        compiler = torch.compile(backend="inductor", fullgraph=True)
-        backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
+    forward_backward = forward_backward_of(
+        model, compiled_forward=mode in ("compile", "compile-ca", "compute-only-compiled"),
+        compiled_autograd=mode in ("compile-ca", "compile-blocks-ca"),
+        whole_step=mode == "whole-step")
 
     def step_fn(step: int) -> None:
-        loss = loss_fn(*batch_for(args, step, rank, world_size, device))
-        with backward_context():
-            loss.backward()
+        forward_backward(*batch_for(args, step, rank, world_size, device))
         optimizer.step()
         optimizer.zero_grad()
 

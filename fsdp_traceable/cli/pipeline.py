@@ -21,17 +21,17 @@ __all__ = ["PipelineStep", "build_pipeline"]
 
 class PipelineStep:
     """One rank's pipeline stage and its schedule: ``step(tokens, targets)`` runs one
-    training step's forward and backward over ``microbatches`` microbatches and returns
+    training step's forward and backward over the schedule's microbatches and returns
     the loss on the last stage's ranks (``None`` on the others).
 
-    The loss of each microbatch is divided by ``microbatches``, so the gradients the
-    schedule accumulates are those of the whole batch's mean loss, as without a pipeline.
+    Each microbatch's loss is divided by the number of microbatches
+    (:func:`build_pipeline`), so the gradients the schedule accumulates are those of the
+    whole batch's mean loss, as without a pipeline.
     """
 
-    def __init__(self, stage: TransformerStage, schedule: ScheduleGPipe, microbatches: int) -> None:
+    def __init__(self, stage: TransformerStage, schedule: ScheduleGPipe) -> None:
         self.stage = stage
         self.schedule = schedule
-        self.microbatches = microbatches
 
     def __call__(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         if self.stage.is_first:
@@ -66,7 +66,7 @@ def build_pipeline(config: TransformerConfig, pp: int, microbatches: int, device
                           group=mesh["pp"].get_group())
     schedule = ScheduleGPipe(stage, n_microbatches=microbatches,
                              loss_fn=_microbatch_loss(microbatches))
-    return PipelineStep(stage_module, schedule, microbatches), dp_mesh.get_local_rank(), dp_mesh.size()
+    return PipelineStep(stage_module, schedule), dp_mesh.get_local_rank(), dp_mesh.size()
 
 
 def _microbatch_loss(microbatches: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
@@ -180,22 +181,27 @@ def reference_losses(args: TrainArgs, world_size: int) -> list[float]:
     return losses
 
 
-def forward_backward_of(mode: str, model: Transformer, forward_backend: Any = "inductor",
-                        backward_backend: Any = "inductor") -> Callable[..., torch.Tensor]:
-    """``fn(tokens, targets)``: the forward, loss and backward of one step in ``mode``
-    (one of ``MODES``), returning the loss."""
-    if mode == "whole-step":
-        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = model.loss(tokens, targets)
-            loss.backward()
-            return loss.detach()
+def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
+                        compiled_autograd: bool = False, whole_step: bool = False,
+                        forward_backend: Any = "inductor", backward_backend: Any = "inductor",
+                        ) -> Callable[..., torch.Tensor]:
+    """``fn(tokens, targets)``: the forward, loss and backward of one step, returning the
+    detached loss.
 
-        return compile_step(step, backend=forward_backend)
-    loss_fn = model.loss
+    Args:
+        model: a model with ``loss(tokens, targets)``.
+        compiled_forward: ``torch.compile(model.loss, fullgraph=True)``.
+        compiled_autograd: the backward under compiled autograd.
+        whole_step: forward, loss and backward as one graph (:func:`compile_step`);
+            excludes the other two.
+        forward_backend: the backend of the forward (or the whole step).
+        backward_backend: compiled autograd's backend.
+    """
+    assert not (whole_step and (compiled_forward or compiled_autograd))
+    loss_fn = (torch.compile(model.loss, backend=forward_backend, fullgraph=True)
+               if compiled_forward else model.loss)
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    if mode != "eager":
-        loss_fn = torch.compile(model.loss, backend=forward_backend, fullgraph=True)
-    if mode == "compile-ca":
+    if compiled_autograd:
         compiler = torch.compile(backend=backward_backend, fullgraph=True)
         backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
 
@@ -203,9 +209,9 @@ def forward_backward_of(mode: str, model: Transformer, forward_backend: Any = "i
         loss = loss_fn(tokens, targets)
         with backward_context():
             loss.backward()
-        return loss
+        return loss.detach()
 
-    return forward_backward
+    return compile_step(forward_backward, backend=forward_backend) if whole_step else forward_backward
 
 
 def _train_rank(args: TrainArgs, result_path: str) -> None:
@@ -223,7 +229,10 @@ def _train_rank(args: TrainArgs, result_path: str) -> None:
         dp_rank, dp_size = rank // args.tp, world_size // args.tp
         model = build_model(args, device)
         params = list(model.parameters())
-        forward_backward = forward_backward_of(args.mode, model, forward_counter, backward_counter)
+        forward_backward = forward_backward_of(
+            model, compiled_forward=args.mode in ("compile", "compile-ca"),
+            compiled_autograd=args.mode == "compile-ca", whole_step=args.mode == "whole-step",
+            forward_backend=forward_counter, backward_backend=backward_counter)
         loss_holders = world_size
     optimizer = make_optimizer(args, params)
     losses, step_times = [], []
