@@ -5,6 +5,7 @@ collectives and what it keeps from forward for backward, on the fake process gro
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -12,10 +13,12 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
 
 import fsdp_traceable
 from compile_tests.sharded_model import CONFIG, N_GROUPS, data, make_model
 from compile_tests.test_fully_shard_compile import BLOCK_WEIGHT_SHAPES
+from fsdp_traceable.models.transformer import Transformer, shard_transformer
 from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
@@ -144,3 +147,31 @@ def test_compile_step_names_the_torch_it_needs() -> None:
 def test_compile_step_rejects_what_is_not_a_function() -> None:
     with pytest.raises(TypeError, match=r"compile_step\(step=...\)"):
         fsdp_traceable.compile_step(42)
+
+
+@needs_whole_step
+def test_whole_step_follows_changing_shapes_after_another_model(fake_world: None) -> None:
+    # A second model's step, compiled after the first one's in the same process, and
+    # batch and sequence sizes that change between steps: no graph break, each step's
+    # gradients are DTensors; the first model recompiles once per newly dynamic size,
+    # the second starts from the dims Dynamo already marks dynamic for this code.
+    frames = []
+    one_block = dataclasses.replace(CONFIG, n_layers=1)
+    for config in (one_block, dataclasses.replace(one_block, vocab_size=64, dim=32, hidden_dim=None)):
+        torch.manual_seed(0)
+        model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor, model=model) -> torch.Tensor:
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            return loss.detach()
+
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = fsdp_traceable.compile_step(step, backend=counter)
+        for batch, seq in ((2, 12), (3, 12), (4, 8)):
+            tokens = torch.randint(0, config.vocab_size, (batch, seq))
+            compiled(tokens, tokens)
+            assert all(isinstance(p.grad, DTensor) for p in model.parameters()), (batch, seq)
+            model.zero_grad()
+        frames.append(counter.frame_count)
+    assert frames == [3, 1] and not counters["graph_break"]
