@@ -1,6 +1,7 @@
 # Set-up and entry points. The first target that needs Python creates .venv and installs
-# the package (torch pinned first, then the editable package with its test extra); the
-# stamp file keeps later runs from reinstalling until pyproject.toml changes.
+# the package (torch pinned first, then the editable package with its test extra, then
+# torchtitan without its trainer's requirements); the stamp file keeps later runs from
+# reinstalling until pyproject.toml or the torchtitan list changes.
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,10 +14,11 @@ TORCH_PIN := torch==2.13.0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/torchtitan-requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH_PIN)
 	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps -r tests/torchtitan-requirements.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

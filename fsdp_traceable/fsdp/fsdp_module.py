@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Where a forward set on the instance is kept. See [Note: instance forward].
+INSTANCE_FORWARD = "_fsdp_instance_forward"
 
 
 class FSDPModule(TorchFSDPModule):
@@ -365,6 +367,26 @@ class FSDPModule(TorchFSDPModule):
                                                  always_call=always_call)
         return self.__dict__["_fsdp_inner_hooks"].add_post_first(hook, with_kwargs, always_call)
 
+    # [Note: instance forward]
+    # nn.Module.__call__ calls ``self.forward``, so a forward set on the instance shadows
+    # the class's, where the group's forward work runs (FSDP2 works through hooks and is
+    # not affected). torchtitan's ``Module.parallelize`` sets one on every module it
+    # parallelizes, before fully_shard. Set before (moved at the class swap) or after
+    # (``__setattr__``), it is kept under ``INSTANCE_FORWARD`` and ``forward`` calls it
+    # where a plain module's would call the class's.
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "forward":
+            self.__dict__[INSTANCE_FORWARD] = value
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name == "forward" and INSTANCE_FORWARD in self.__dict__:
+            del self.__dict__[INSTANCE_FORWARD]
+        else:
+            super().__delattr__(name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
         hooks = self.__dict__["_fsdp_inner_hooks"]
@@ -372,7 +394,11 @@ class FSDPModule(TorchFSDPModule):
         try:
             if hooks.pre:
                 args, kwargs = hooks.run_pre(self, args, kwargs)
-            output = super().forward(*args, **kwargs)
+            instance_forward = self.__dict__.get(INSTANCE_FORWARD)
+            if instance_forward is None:
+                output = super().forward(*args, **kwargs)
+            else:
+                output = instance_forward(*args, **kwargs)
             if hooks.post:
                 output = hooks.run_post(self, args, kwargs, output)
         except BaseException:

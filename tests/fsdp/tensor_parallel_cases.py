@@ -11,6 +11,7 @@ norms, ``PrepareModuleInput`` gathering the sequence before the feed-forward,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -216,25 +217,28 @@ def layout(tensor: DTensor) -> tuple:
 
 
 def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = None,
-          backward_context: Callable | None = None) -> dict[str, Any]:
+          backward_context: Callable | None = None, step_of: Callable | None = None
+          ) -> dict[str, Any]:
     """Losses, first-step gradients (layout and local values), final shards and layouts;
-    eager, also the layouts of the weights a feed-forward computes with."""
+    eager, also the layouts of the weights a feed-forward computes with. ``step_of``:
+    a whole step (forward, loss and backward, as ``compile_step`` takes) instead of
+    ``loss_of`` and a backward."""
     seen: dict[str, tuple] = {}
     # Eager only (the hook is not part of what is compiled), on a feed-forward block.
-    eager = loss_of is None and hasattr(model.layers[0], "feed_forward")
+    eager = loss_of is None and step_of is None and hasattr(model.layers[0], "feed_forward")
     if eager:
         hook = model.layers[0].feed_forward.register_forward_hook(
             lambda module, args, output: seen.update(
                 w1=layout(module.w1.weight), w2=layout(module.w2.weight)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
-    loss_of = loss_of or model.loss
+    loss_of = loss_of or (None if step_of else model.loss)
     losses, grads = [], None
     for step in range(steps):
-        loss = loss_of(*batch(step, dp_rank))
-        if backward_context is None:
-            loss.backward()
+        if step_of is not None:
+            loss = step_of(*batch(step, dp_rank))
         else:
-            with backward_context():
+            loss = loss_of(*batch(step, dp_rank))
+            with backward_context() if backward_context else contextlib.nullcontext():
                 loss.backward()
         if step == 0:
             grads = {n: (layout(p.grad), p.grad.to_local().clone())

@@ -147,3 +147,29 @@ def test_a_forward_on_meta_raises_fsdp2s_error_before_the_all_gather(fake_mesh) 
             model(torch.ones(2, 4))
         messages.append(str(error.value))
     assert messages[0] == messages[1]
+
+
+def test_a_forward_set_on_the_instance_runs_inside_the_groups_forward(fake_mesh) -> None:
+    """A forward set on the instance, before ``fully_shard`` (as torchtitan's
+    ``Module.parallelize`` sets one) or after, runs between the unshard and the reshard,
+    as under FSDP2's hooks; deleting it restores the class's."""
+    seen = []
+
+    def instance_forward_of(linear: nn.Linear, tag: str):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            seen.append((tag, type(linear.weight), tuple(linear.weight.shape)))
+            return nn.Linear.forward(linear, x)
+        return forward
+
+    before = nn.Linear(4, 6)
+    before.forward = instance_forward_of(before, "before")
+    fsdp_traceable.fully_shard(before, mesh=fake_mesh)
+    after = fsdp_traceable.fully_shard(nn.Linear(4, 6), mesh=fake_mesh)
+    after.forward = instance_forward_of(after, "after")
+    for linear in (before, after):
+        assert linear(torch.ones(2, 4)).shape == (2, 6)
+        assert isinstance(linear.weight, DTensor)  # resharded after forward
+    assert seen == [("before", torch.Tensor, (6, 4)), ("after", torch.Tensor, (6, 4))]
+    del after.forward
+    after(torch.ones(2, 4))
+    assert len(seen) == 2
