@@ -107,18 +107,30 @@ def two_d_mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def sharded_pair(mesh: DeviceMesh, **kwargs: Any) -> tuple[TinyLM, TinyLM]:
-    """(torch FSDP2's, ours): one init, TP on ``mesh["tp"]``, FSDP on ``mesh["dp"]``
-    (``kwargs`` to every ``fully_shard``)."""
+def sharded_pair(mesh: DeviceMesh, dp_dims: tuple[str, ...] = ("dp",), **kwargs: Any
+                 ) -> tuple[TinyLM, TinyLM]:
+    """(torch FSDP2's, ours): one init, TP on ``mesh["tp"]``, FSDP on ``mesh[dp_dims]``
+    (HSDP where that is 2-D; ``kwargs`` to every ``fully_shard``)."""
     torch.manual_seed(0)
     base = TinyLM()
     models = []
     for fully_shard in (fsdp2_fully_shard, fsdp_traceable.fully_shard):
         model = copy.deepcopy(base)
         apply_tp(model, mesh["tp"])
-        apply_fsdp(model, mesh["dp"], fully_shard, **kwargs)
+        apply_fsdp(model, mesh[dp_dims], fully_shard, **kwargs)
         models.append(model)
     return models[0], models[1]
+
+
+def hsdp_tp_parity(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
+    """HSDP + TP (3-D) on a (rep=2, shard=2, tp=2) mesh of 8 ranks: FSDP2 and ours,
+    TP on ``tp``, HSDP on ``(rep, shard)``, trained eagerly on the same data."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+    theirs, ours = sharded_pair(mesh, dp_dims=("rep", "shard"))
+    dp_rank = mesh["rep"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+    result = {"theirs": train(theirs, dp_rank, steps), "ours": train(ours, dp_rank, steps)}
+    dist.barrier()
+    return result
 
 
 def meta_init_pair(mesh: DeviceMesh) -> tuple[TinyLM, TinyLM]:

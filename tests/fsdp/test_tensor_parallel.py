@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import tensor_parallel_cases
@@ -97,6 +97,20 @@ def _check_moe(results: list[dict]) -> None:
         assert "dp_shard_mod_ep" in errors["experts_on_dp"][1]
         assert errors["uneven_shard_1"][0] == "ValueError"
         assert "parameter 'w1': Shard(1)" in errors["uneven_shard_1"][1]
+
+
+@pytest.mark.gloo
+def test_hsdp_tp_trains_like_fsdp2_on_eight_ranks() -> None:
+    """HSDP + TP (3-D): (rep=2, shard=2, tp=2), 8 gloo ranks, 2 AdamW steps, bit for bit,
+    ``Replicate()`` on ``rep`` before the shard and TP placements."""
+    results = run_on_local_ranks(tensor_parallel_cases.hsdp_tp_parity, 8, timeout_s=300)
+    for rank, result in enumerate(results):
+        theirs, ours = result["theirs"], result["ours"]
+        assert ours["losses"] == theirs["losses"], f"rank {rank}"
+        _assert_same(theirs["grads"], ours["grads"], f"rank {rank} grad")
+        _assert_same(theirs["params"], ours["params"], f"rank {rank} param")
+    rowwise = results[0]["ours"]["params"]["layers.0.feed_forward.w2.weight"][0]
+    assert rowwise == (("rep", "shard", "tp"), (Replicate(), Shard(0), Shard(1)))
 
 
 class _Uneven(torch.nn.Module):
