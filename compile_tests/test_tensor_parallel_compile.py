@@ -1,4 +1,5 @@
-"""TP + FSDP on a (dp=2, tp=2) mesh of 4 gloo ranks, compiled whole: our model under
+"""TP + FSDP on a (dp=2, tp=2) mesh of 4 gloo ranks, and expert parallel + FSDP on a
+MoE model (``tests/fsdp/expert_parallel_cases.py``), compiled whole: our model under
 ``torch.compile(fullgraph=True)`` with compiled autograd (``aot_eager``: Dynamo,
 AOTAutograd and compiled autograd, without Inductor's code generation) against torch's
 FSDP2 eager, 3 AdamW steps; the eager comparison is ``tests/fsdp/test_tensor_parallel.py``."""
@@ -36,6 +37,12 @@ def test_compiled_tp_fsdp_trains_like_fsdp2_eager_without_graph_breaks():
         _assert_close(theirs["grads"], ours["grads"], f"rank {rank} grad")
         _assert_close(theirs["params"], ours["params"], f"rank {rank} param")
         assert ours["state_dict"] == theirs["state_dict"], f"rank {rank}"
+        moe = result["moe"]  # expert parallel: experts Shard(1) on their own mesh
+        assert (moe["graph_breaks"], moe["recompiles"]) == (0, 0), f"rank {rank} MoE"
+        torch.testing.assert_close(moe["ours"]["losses"], moe["theirs"]["losses"],
+                                   rtol=1e-5, atol=1e-5)
+        _assert_close(moe["theirs"]["grads"], moe["ours"]["grads"], f"rank {rank} MoE grad")
+        _assert_close(moe["theirs"]["params"], moe["ours"]["params"], f"rank {rank} MoE param")
 
 
 def test_dp_mesh_dims_raises_under_compile() -> None:

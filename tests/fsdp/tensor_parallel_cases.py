@@ -342,7 +342,8 @@ def rejected_inputs(mesh: DeviceMesh) -> dict[str, Any]:
 
 def compiled_parity(rank: int, world_size: int, backend: str) -> dict[str, Any]:
     """FSDP2 eager against ours under ``torch.compile(fullgraph=True)`` with compiled
-    autograd on ``backend``; with the graph breaks Dynamo counted for ours."""
+    autograd on ``backend``; with the graph breaks Dynamo counted for ours; the same on
+    the expert parallel MoE model (``moe``, ``expert_parallel_cases``)."""
     mesh = two_d_mesh()
     theirs, ours = sharded_pair(mesh)
     dp_rank = mesh["dp"].get_local_rank()
@@ -357,5 +358,8 @@ def compiled_parity(rank: int, world_size: int, backend: str) -> dict[str, Any]:
     result["frames"] = [frame.name for frame in record.frames]
     result["recompiles"] = len(record.recompiles)
     result["captures"] = record.compiled_autograd_captures
+    from tests.fsdp import expert_parallel_cases
+
+    result["moe"] = expert_parallel_cases.compiled_parity(rank, world_size, backend)
     dist.barrier()
     return result
