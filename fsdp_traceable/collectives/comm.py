@@ -33,8 +33,21 @@ REDUCE_SCATTER_C10D = (
 )
 
 
+# [Note: eager path and traced path]
+# Each collective and each FSDP phase has two implementations, chosen per call by
+# use_traced_path(). Traced (while Dynamo traces, or collectives_path="traced"): pure
+# functional ops and functional collectives whose results are tensors of the graph, so
+# Inductor can fuse the copies, order and overlap the collectives, and the graph holds
+# all state. Eager: c10d collectives on the device's streams with async work handles, as
+# FSDP2's, and Python-side state (a prefetched all-gather, the reduce queue, gradients
+# kept across microbatches) carries results from one hook to the next. Python state is
+# kept on the eager path only (see [Note: a traced backward mutates no Python state]);
+# both paths compute the same numbers, which the parity tests compare bit for bit.
+
+
 def use_traced_path() -> bool:
-    """Whether the collectives run as functional collectives right now."""
+    """Whether the collectives run as functional collectives right now (see
+    [Note: eager path and traced path])."""
     path = config.collectives_path
     if path == "auto":
         return is_tracing()
@@ -160,11 +173,20 @@ class DeviceStreams:
         self.copy_in = module.Stream(device=device) if self._has_streams else None
         # FSDP2's post-optimizer event: the next copy-in waits on it instead of on all
         # work queued so far on the current stream.
-        self.post_optim_event: torch.Event | None = None
+        self._post_optim_event: torch.Event | None = None
+
+    @property
+    def post_optim_event(self) -> torch.Event | None:
+        """The event the next copy-in waits on, if one is set."""
+        return self._post_optim_event
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next copy-in (only) waits on ``event`` instead of the whole current stream."""
+        self._post_optim_event = event
 
     def copy_in_context(self) -> contextlib.AbstractContextManager:
         """Runs the copy-in (and the collective that reads it) on the copy-in stream."""
-        event, self.post_optim_event = self.post_optim_event, None
+        event, self._post_optim_event = self._post_optim_event, None
         if not self._has_streams:
             return contextlib.nullcontext()
         if event is not None:

@@ -130,14 +130,20 @@ def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
     return UnshardParams.apply(group, accumulated_indices, *inputs)
 
 
-def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
-    """The group's sharded parameters read from their modules' ``_parameters``.
+# [Note: Dynamo reaches parameters through their module]
+# The traced unshard reads each sharded parameter as ``owner._parameters[name]``, not
+# from the group's own list (the same objects): Dynamo recognises a tensor as a
+# parameter only when it reaches it through a module. It then keeps its shape static
+# (also under torch.compile(dynamic=True), which otherwise makes every dim of every
+# sharded parameter symbolic) and passes it as a static graph input, which a tensor
+# reached through the group is not. The forward reads the unsharded parameters through
+# the module too: each parameter attribute is a property of the swapped-in class
+# (unsharded_binding).
 
-    The same objects as ``group.sharded_params``, but Dynamo only recognises a tensor
-    as a parameter when it reaches it through a module: it then keeps its shape static
-    (also under ``torch.compile(dynamic=True)``, which otherwise makes every dim of
-    every sharded parameter symbolic) and marks it a static graph input.
-    """
+
+def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
+    """The group's sharded parameters read from their modules' ``_parameters``; see
+    [Note: Dynamo reaches parameters through their module]."""
     params: list[torch.nn.Parameter | None] = [None] * len(group.sharded_params)
     for owner, name, index in group.bindings:
         if params[index] is None:

@@ -268,7 +268,7 @@ class FSDPModule(TorchFSDPModule):
             event: an event recorded after ``optimizer.step()``.
         """
         for group in self._groups(recurse=True):
-            group.streams.post_optim_event = event
+            group.set_post_optim_event(event)
 
     # -- custom comms -----------------------------------------------------------------
 

@@ -16,7 +16,6 @@ import torch
 from ..collectives import comm
 from ..collectives.reduce import PendingReduce, start_foreach_reduce
 from ..profiler_labels import phase
-from .eager_state import EagerState
 
 if TYPE_CHECKING:
     from .sharded_group import ShardedGroup
@@ -71,15 +70,15 @@ def gradients_to_reduce(
 
 
 def start_reduce(group: ShardedGroup, grads: dict[int, torch.Tensor], indices: list[int],
-                 eager: EagerState) -> PendingReduce:
+                 partial_reduce_output: torch.Tensor | None) -> PendingReduce:
     """Starts the reduce-scatter (and HSDP all-reduce) of ``grads``.
 
     Args:
         group: the group the gradients belong to.
         grads: the gradients to reduce, by parameter index (from :func:`gradients_to_reduce`).
         indices: ``sorted(grads)``, the bucket's order.
-        eager: the group's eager state, which holds HSDP's partial reduce-scatter
-            outputs while the all-reduce is skipped.
+        partial_reduce_output: HSDP's reduce-scatter output kept from the previous
+            backward while the all-reduce was skipped (added to this one), or None.
 
     Returns:
         The started reduction.
@@ -98,7 +97,7 @@ def start_reduce(group: ShardedGroup, grads: dict[int, torch.Tensor], indices: l
             gradient_divide_factor=group.gradient_divide_factor,
             force_sum_reduction=group.force_sum_reduction,
             all_reduce_grads=not skip_all_reduce,
-            partial_reduce_output=eager.take_partial_reduce_output(),
+            partial_reduce_output=partial_reduce_output,
             all_reduce_hook=_all_reduce_hook(group),
             reduce_scatter_comm=group.reduce_scatter_comm,
             check=False,

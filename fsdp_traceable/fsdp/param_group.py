@@ -411,8 +411,14 @@ class ParamGroup(GatheringGroup):
         unsharded_grads: tuple[torch.Tensor | None, ...],
         accumulated: dict[int, torch.Tensor] | None,
     ) -> list[torch.Tensor | None]:
-        # A traced backward must not mutate Python state (Dynamo refuses such side
-        # effects inside an autograd.Function): every eager state it reads is empty.
+        # [Note: a traced backward mutates no Python state]
+        # Dynamo refuses side effects inside an autograd.Function's backward, and a
+        # compiled-autograd graph replays without running this Python: a traced backward
+        # returns its sharded gradients through autograd and changes nothing else. Every
+        # eager state it reads is empty then (end_backward, take_accumulated_grads and
+        # take_partial_reduce_output change nothing), and the settings that keep
+        # gradients across backward calls (no gradient sync, HSDP without its
+        # all-reduce) raise under a traced backward (gradient_reduction).
         self._eager.end_backward(self.reshard_after_backward)
         if not accumulated:
             accumulated = self._eager.take_accumulated_grads()
@@ -424,13 +430,14 @@ class ParamGroup(GatheringGroup):
         if not grads:
             return sharded_grads
         indices = sorted(grads)
-        pending = start_reduce(self, grads, indices, self._eager)
+        pending = start_reduce(self, grads, indices, self._eager.take_partial_reduce_output())
         if not comm.use_traced_path():
             # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
             # groups' gradients; the gradients reach .grad when it is finished (by the
             # next group's reduction or at the end of backward), not through autograd.
             self._root_state.reduce_queue.put(
-                pending, GradientTarget(self.sharded_params, indices, self._eager))
+                pending, GradientTarget(self.sharded_params, indices,
+                                        self._eager.keep_partial_reduce_output))
             return sharded_grads
         result = finish_foreach_reduce(pending)
         for i, grad in zip(indices, result.sharded_grads):

@@ -11,6 +11,7 @@ reductions never wait behind another's, and what a model leaves in flight goes w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -20,18 +21,17 @@ from ..collectives import accumulate_sharded_grad
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
 from ..profiler_labels import phase
 from . import post_accumulate_hooks
-from .eager_state import EagerState
 
 
 class GradientTarget(NamedTuple):
     """Where a finished reduction's gradients go: the ``.grad`` of ``params[i]`` for
     each ``i`` in ``indices`` (the group's own list, so parameters a module re-created
-    since are the ones written), or, while HSDP skips the all-reduce, the group's
-    eager state."""
+    since are the ones written), or, while HSDP skips the all-reduce,
+    ``keep_partial_reduce_output`` (the group keeps it for the next backward)."""
 
     params: list[nn.Parameter]
     indices: list[int]
-    eager: EagerState
+    keep_partial_reduce_output: Callable[[torch.Tensor | None], None]
 
 
 class ReduceQueue:
@@ -80,7 +80,7 @@ class ReduceQueue:
         pending, target = self._in_flight.pop(0)
         result = finish_foreach_reduce(pending)
         if result.sharded_grads is None:
-            target.eager.keep_partial_reduce_output(result.partial_reduce_output)
+            target.keep_partial_reduce_output(result.partial_reduce_output)
             return
         for i, grad in zip(target.indices, result.sharded_grads):
             param = target.params[i]

@@ -164,6 +164,10 @@ class ShardedGroup:
                 raise AttributeError(f"{name!r} is not a setting of a parameter group")
             setattr(self, name, value)
 
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The group's next all-gather copy-in waits on ``event`` (used once)."""
+        self.streams.set_post_optim_event(event)
+
     def _tp_layout(self, fqn: str, param: nn.Parameter, shard_dim: int
                    ) -> TensorParallelLayout | None:
         """A TP parameter's layout, checked (see [Note: TP parameters]); None for others."""
