@@ -161,6 +161,10 @@ LATE_ATTACHMENT = [
      "parameters re-read", "to_dtype_before_forward"),
     ("`module.apply(init_fn)` between steps", "same", "in place on the shards",
      "apply_init_between_steps"),
+    ("`module.forward = fn` on the instance (torchtitan's `Module.parallelize` sets one), "
+     "before or after `fully_shard`", "same",
+     "runs inside the group's forward, between the unshard and the reshard; "
+     "`del module.forward` restores the class's", "tests/fsdp/test_late_attachment.py"),
     ("meta device: `to_empty(device=...)`, then `init_weights`", "same",
      "parameters re-read", "tests/fsdp/test_meta_init_parity.py"),
     ("meta device: a forward before `to_empty`", "same",
