@@ -243,13 +243,12 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
             lambda module, args, output: seen.update(
                 w1=layout(module.w1.weight), w2=layout(module.w2.weight)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
-    loss_of = loss_of or (None if step_of else model.loss)
     losses, grads = [], None
     for step in range(steps):
         if step_of is not None:
             loss = step_of(*batch(step, dp_rank))
         else:
-            loss = loss_of(*batch(step, dp_rank))
+            loss = (loss_of or model.loss)(*batch(step, dp_rank))
             with backward_context() if backward_context else contextlib.nullcontext():
                 loss.backward()
         if step == 0:
