@@ -18,12 +18,17 @@ an eager step without a profiler pays one check per phase.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from .tracing import is_tracing
 
 PREFIX = "fsdp_traceable::"
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def label(name: str, module: str = "") -> str:
@@ -46,3 +51,17 @@ def phase(name: str, module: str = "") -> contextlib.AbstractContextManager:
             or is_tracing()):
         return contextlib.nullcontext()
     return torch.profiler.record_function(label(name, module))
+
+
+def labelled(name: str) -> Callable[[_Method], _Method]:
+    """Runs a parameter group's method as phase ``name``, labelled with the group's
+    ``name`` (its module's path): ``@labelled("pre_forward")``."""
+    def decorate(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def run(group: Any, *args: Any, **kwargs: Any) -> Any:
+            with phase(name, group.name):
+                return method(group, *args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return decorate

@@ -1,8 +1,9 @@
 """The package's import graph: no cycles between modules, no import of a higher layer.
 
-Read from the source with ``ast`` (every ``import``, also inside functions; imports
-under ``if TYPE_CHECKING:`` are for annotations only and left out), so a lazy import
-that would close a cycle counts as much as a top-level one.
+Read from the source with ``ast``: every ``import``, also inside functions and under
+``if TYPE_CHECKING:``, so a lazy import or an annotation's import that would close a
+cycle counts as much as a top-level one (a lower module that must name a higher one's
+class takes a ``Protocol`` of what it calls instead).
 """
 
 from __future__ import annotations
@@ -43,15 +44,6 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return modules
 
 
-def _type_checking_imports(tree: ast.AST) -> set[ast.AST]:
-    skipped: set[ast.AST] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                skipped.update(ast.walk(child))
-    return skipped
-
-
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it imports (a name imported from a package that
     is one of its modules counts as that module)."""
@@ -59,12 +51,9 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, (path, is_package) in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        skipped = _type_checking_imports(tree)
         package = name if is_package else name.rpartition(".")[0]
         targets: set[str] = set()
         for node in ast.walk(tree):
-            if node in skipped:
-                continue
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
             elif isinstance(node, ast.ImportFrom):

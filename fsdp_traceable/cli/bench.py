@@ -87,7 +87,7 @@ def _comm_only_step(model: Transformer, device: str) -> Callable[[int], None]:
     """The collectives of one eager step, with no compute between them."""
     groups = [m._fsdp_group for m in model.modules() if isinstance(m, FSDPModule)]
     grads = {
-        id(g): [torch.zeros(i.global_size, dtype=i.param_dtype, device=device) for i in g.infos]
+        id(g): [torch.zeros(i.global_size, dtype=i.param_dtype, device=device) for i in g.params.infos]
         for g in groups
     }
 
@@ -95,9 +95,9 @@ def _comm_only_step(model: Transformer, device: str) -> Callable[[int], None]:
         for group in groups:
             group.finish_all_gather(group.start_all_gather())
         for group in reversed(groups):
-            if group.reshard_after_forward:
+            if group.settings.reshard_after_forward:
                 group.finish_all_gather(group.start_all_gather())
-            foreach_reduce(grads[id(group)], group.infos, group.shard_group)
+            foreach_reduce(grads[id(group)], group.params.infos, group.params.shard_group)
 
     return step_fn
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,7 +17,8 @@ from .. import _torch_patches
 from ..collectives import comm
 
 if TYPE_CHECKING:
-    from .param_group import ParamGroup
+    from .group_params import GroupParams
+    from .group_settings import GroupSettings
 
 # See [Note: torch patches]: the sharded gradients a compiled backward returns are
 # wrapped back into DTensors in a frame Dynamo must not compile on its own, and the
@@ -25,6 +26,23 @@ if TYPE_CHECKING:
 _torch_patches.skip_dtensor_unflatten_frames()
 _torch_patches.drop_context_fn_warning()
 _torch_patches.shard_uneven_new_empty_strided()
+
+
+class UnshardingGroup(Protocol):
+    """What the autograd boundary calls of its parameter group (``ParamGroup``): the
+    group's own life cycle runs in its forward and backward."""
+
+    params: GroupParams
+    settings: GroupSettings
+
+    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]: ...
+
+    def post_backward(self, unsharded_grads: tuple[torch.Tensor | None, ...],
+                      accumulated: dict[int, torch.Tensor] | None) -> list[torch.Tensor | None]: ...
+
+    def hide_post_accumulate_hooks(self) -> None: ...
+
+    def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None: ...
 
 
 class LocalShards(torch.autograd.Function):
@@ -84,7 +102,7 @@ class UnshardParams(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, group: ParamGroup, accumulated_indices: tuple[int, ...],
+    def forward(ctx, group: UnshardingGroup, accumulated_indices: tuple[int, ...],
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.accumulated_indices = accumulated_indices
@@ -92,7 +110,7 @@ class UnshardParams(torch.autograd.Function):
         sharded_locals = inputs[: len(inputs) - len(accumulated_indices)]
         ctx.save_for_backward(*inputs[len(sharded_locals):])
         unsharded = group.all_gather(sharded_locals)
-        frozen = [t for t, p in zip(unsharded, group.sharded_params) if not p.requires_grad]
+        frozen = [t for t, p in zip(unsharded, group.params.sharded_params) if not p.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return tuple(unsharded)
@@ -120,7 +138,7 @@ def _recompute_all_gather_context():
 # its graphs again.
 _recompute_all_gather_context.cache_hash = "fsdp_traceable.recompute_all_gather.v1"
 
-def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
+def _apply_unshard(group: UnshardingGroup, accumulated_indices: tuple[int, ...],
                    *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         # Nothing to differentiate (no_grad, or a frozen group). Not through the
@@ -141,16 +159,6 @@ def _apply_unshard(group: ParamGroup, accumulated_indices: tuple[int, ...],
 # (unsharded_binding).
 
 
-def _module_params(group: ParamGroup) -> list[torch.nn.Parameter]:
-    """The group's sharded parameters read from their modules' ``_parameters``; see
-    [Note: Dynamo reaches parameters through their module]."""
-    params: list[torch.nn.Parameter | None] = [None] * len(group.sharded_params)
-    for owner, name, index in group.bindings:
-        if params[index] is None:
-            params[index] = owner._parameters[name]
-    return params
-
-
 def _eager_locals(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     nonempty = [i for i, p in enumerate(params) if p.numel()]
     # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
@@ -164,7 +172,7 @@ def _eager_locals(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return locals_
 
 
-def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
+def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
     """The group's unsharded parameters, connected to autograd.
 
     With ``recompute_in_backward`` (compiled reshard-after-forward), the all-gather
@@ -172,10 +180,11 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
     the partitioner saves the sharded inputs and re-runs the all-gather in backward
     instead of saving the unsharded parameters.
     """
-    if not group.infos:  # e.g. a root whose parameters all live in sharded blocks
+    if not group.params.infos:  # e.g. a root whose parameters all live in sharded blocks
         return ()
-    if group.post_forward_mesh is not None and comm.use_traced_path():
-        size = group.post_forward_mesh.group_size
+    post_forward_mesh = group.settings.post_forward_mesh
+    if post_forward_mesh is not None and comm.use_traced_path():
+        size = post_forward_mesh.group_size
         raise NotImplementedError(
             f"reshard_after_forward={size} (keep 1/{size} of the parameters between "
             "forward and backward) runs eagerly only: a compiled graph re-gathers from "
@@ -183,9 +192,10 @@ def unshard_params(group: ParamGroup, *, recompute_in_backward: bool) -> tuple[t
             "or False (e.g. set_reshard_after_forward(True))"
         )
     traced = comm.use_traced_path()
-    # Not ``group.sharded_params`` when traced: testing that list makes Dynamo reach its
-    # first parameter through it, not through its module (see _module_params).
-    params = _module_params(group) if traced else group.sharded_params
+    # Not ``sharded_params`` when traced: testing that list makes Dynamo reach its
+    # first parameter through it, not through its module (see [Note: Dynamo reaches
+    # parameters through their module]).
+    params = group.params.module_params() if traced else group.params.sharded_params
     # A zero-size parameter gets no gradient (see _eager_locals).
     if traced:
         sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]

@@ -16,29 +16,27 @@ with it. See [Note: per-model state] in :mod:`.root_state`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from .. import backward_regions
 from ..collectives import comm
 
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
-
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 # Every live fully_shard group -> the name of the process group it reduce-scatters and
 # all-gathers over.
-_shard_group_names: WeakKeyDictionary[ParamGroup, str] = WeakKeyDictionary()
+_shard_group_names: WeakKeyDictionary[object, str] = WeakKeyDictionary()
 
 
-def register(group: ParamGroup) -> None:
-    """Marks ``group``'s reduce-scatters as fully_shard's while it lives, and makes sure
-    compiled autograd outlines one-group backwards."""
-    _shard_group_names[group] = comm.group_name(group.shard_group)
+def register(group: object, shard_group: dist.ProcessGroup) -> None:
+    """Marks ``shard_group``'s reduce-scatters as fully_shard's while ``group`` (a
+    parameter group) lives, and makes sure compiled autograd outlines one-group
+    backwards."""
+    _shard_group_names[group] = comm.group_name(shard_group)
     backward_regions.install(is_one_group_backward)
 
 

@@ -8,16 +8,14 @@ The forward itself is the group's: ``ParamGroup.pre_forward`` / ``post_forward``
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_map
 
 from ..collectives import comm
-
-if TYPE_CHECKING:
-    from .sharded_group import ShardedGroup
 
 
 class ForwardScope(NamedTuple):
@@ -48,7 +46,7 @@ class ForwardHooks:
     # others through these.
     @property
     def _comm_ctx(self) -> comm.DeviceStreams:
-        return self._module()._fsdp_group.streams
+        return self._module()._fsdp_group.settings.streams
 
     @_comm_ctx.setter
     def _comm_ctx(self, streams: comm.DeviceStreams) -> None:
@@ -59,31 +57,23 @@ class ForwardHooks:
         return []  # share_comm_ctx's per-group assignment: done by the setter above
 
 
-def prepare_inputs(group: ShardedGroup, module: nn.Module, args: tuple, kwargs: dict,
-                   traced: bool) -> tuple[tuple, dict]:
-    """Checks a forward's inputs and the group's settings, and casts the inputs.
+def prepare_inputs(module: nn.Module, args: tuple, kwargs: dict, device_type: str,
+                   mp_policy: MixedPrecisionPolicy) -> tuple[tuple, dict]:
+    """Checks a forward's inputs and casts them.
 
     Args:
-        group: the module's parameter group.
         module: the module whose forward starts.
         args: its positional arguments.
         kwargs: its keyword arguments.
-        traced: whether the forward is being traced.
+        device_type: the device type its parameters are sharded on.
+        mp_policy: its group's mixed-precision policy.
 
     Returns:
-        ``args`` and ``kwargs``, cast to ``param_dtype`` per the group's ``mp_policy``.
+        ``args`` and ``kwargs``, cast to ``param_dtype`` per ``mp_policy``.
     """
-    check_input_device(module, group.device_type, args, kwargs)
-    policy = group.mp_policy
-    if policy.cast_forward_inputs and policy.param_dtype is not None:
-        args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
-    if traced and (group.explicit_forward_prefetch or group.explicit_backward_prefetch):
-        raise NotImplementedError(
-            "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch schedule "
-            "eager all-gathers; in a compiled graph Inductor places them "
-            "(torch.compile(options=fsdp_traceable.inductor_options(overlap=True))). "
-            "Pass [] to both setters before compiling"
-        )
+    check_input_device(module, device_type, args, kwargs)
+    if mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None:
+        args, kwargs = cast_floats((args, kwargs), mp_policy.param_dtype)
     return args, kwargs
 
 

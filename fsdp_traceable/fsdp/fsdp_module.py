@@ -24,6 +24,7 @@ from .param_group import ParamGroup
 from .setting_checks import (
     check_bool,
     check_comm,
+    check_fsdp_modules,
     check_no_custom_comm,
     check_no_sync_eager,
     fsdp2_comms,
@@ -222,7 +223,7 @@ class FSDPModule(TorchFSDPModule):
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         group = self._fsdp_group
-        if stream is not None and group.is_hsdp:
+        if stream is not None and group.params.is_hsdp:
             raise ValueError("stream cannot be set when using native HSDP")
         group.configure(all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
@@ -237,7 +238,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: ``fully_shard``-ed modules, typically the next one or two blocks.
         """
-        self._fsdp_next_groups = [m._fsdp_group for m in _check_fsdp_modules(modules)]
+        self._fsdp_next_groups = [m._fsdp_group for m in check_fsdp_modules(modules)]
         self._fsdp_group.configure(explicit_forward_prefetch=bool(modules))
         _log_prefetch("forward", self._fsdp_group, self._fsdp_next_groups)
 
@@ -250,7 +251,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: ``fully_shard``-ed modules, typically the previous one or two blocks.
         """
-        groups = [m._fsdp_group for m in _check_fsdp_modules(modules)]
+        groups = [m._fsdp_group for m in check_fsdp_modules(modules)]
         group = self._fsdp_group
         group.configure(prefetch_backward=prefetch_all(groups) if groups else None,
                         explicit_backward_prefetch=bool(modules))
@@ -313,8 +314,8 @@ class FSDPModule(TorchFSDPModule):
                              (all_gather_comm, reduce_scatter_comm))
         for group in groups:
             group.configure(
-                all_gather_comm=all_gather_comm(group.shard_group) if enable else None,
-                reduce_scatter_comm=reduce_scatter_comm(group.shard_group) if enable else None,
+                all_gather_comm=all_gather_comm(group.params.shard_group) if enable else None,
+                reduce_scatter_comm=reduce_scatter_comm(group.params.shard_group) if enable else None,
             )
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
@@ -331,9 +332,9 @@ class FSDPModule(TorchFSDPModule):
         groups = self._groups(recurse=False)
         check_no_custom_comm(groups, "set_symm_mem_for_comm", (all_gather_comm, reduce_scatter_comm))
         for group in groups:
-            group.configure(all_gather_comm=all_gather_comm(group.shard_group, backend))
-            if group.force_sum_reduction:  # NCCL's symmetric reduce-scatter only sums
-                group.configure(reduce_scatter_comm=reduce_scatter_comm(group.shard_group, backend))
+            group.configure(all_gather_comm=all_gather_comm(group.params.shard_group, backend))
+            if group.settings.force_sum_reduction:  # NCCL's symmetric reduce-scatter only sums
+                group.configure(reduce_scatter_comm=reduce_scatter_comm(group.params.shard_group, backend))
 
     # -- torch's hooks into the module ----------------------------------------------------
 
@@ -443,18 +444,6 @@ def _unsupported(name: str) -> Callable[..., Any]:
 for _name, _value in vars(TorchFSDPModule).items():
     if callable(_value) and not _name.startswith("__") and _name not in vars(FSDPModule):
         setattr(FSDPModule, _name, _unsupported(_name))
-
-
-def _check_fsdp_modules(modules: Any) -> list[FSDPModule]:
-    if not isinstance(modules, (list, tuple)):
-        raise TypeError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(
-                f"Expects FSDPModule but got {type(module).__name__}: pass modules "
-                "fsdp_traceable.fully_shard was applied to"
-            )
-    return list(modules)
 
 
 def _log_prefetch(direction: str, group: ParamGroup, targets: list[ParamGroup]) -> None:

@@ -24,6 +24,8 @@ from .arguments import (
 )
 from .class_swap import fsdp_class, swap_class
 from .fsdp_module import FSDPModule
+from .group_params import GroupParams
+from .group_settings import GroupSettings
 from .param_group import ParamGroup
 from .pipeline_state import register_state
 from .root_state import RootState
@@ -124,21 +126,24 @@ def fully_shard(
     ignored = ignored_param_ids(ignored_params)
     owned = _managed_params(modules, ignored)
     _torch_patches.drop_mesh_hash_from_pickles()  # See [Note: torch patches]
-    group = ParamGroup(
-        [(fqn, param) for fqn, param, _ in owned], mesh, modules=modules,
-        reshard_after_forward=reshard, mp_policy=mp_policy,
+    partial_reshard = None if isinstance(reshard, bool) or reshard is None else reshard
+    params = GroupParams(
+        [(fqn, param) for fqn, param, _ in owned], mesh, mp_policy=mp_policy,
         shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
         pin_memory=offload_to_cpu and offload_policy.pin_memory, spmd=spmd,
+        partial_reshard=partial_reshard,
     )
+    settings = GroupSettings(mesh, reshard_after_forward=reshard)
+    group = ParamGroup(params, settings, modules=modules)
     if log.isEnabledFor(logging.DEBUG):
         _log_group(group, modules, reshard)
     for _, param, _ in owned:
         _replaced_params[param] = True
-    for sharded in group.sharded_params:
+    for sharded in group.params.sharded_params:
         setattr(sharded, _SHARDED_MARK, True)
     owner_names: dict[int, tuple[nn.Module, list[str]]] = {}
-    # group.sharded_params[i] is the sharded owned[i].
-    for index, ((_, _, owners), sharded) in enumerate(zip(owned, group.sharded_params)):
+    # group.params.sharded_params[i] is the sharded owned[i].
+    for index, ((_, _, owners), sharded) in enumerate(zip(owned, group.params.sharded_params)):
         for owner, name in owners:
             owner._parameters[name] = sharded
             group.add_holder(owner, name, index)
@@ -160,18 +165,18 @@ def fully_shard(
 def _log_group(group: ParamGroup, modules: list[nn.Module], reshard: bool | int | None) -> None:
     """Debug log: one ``fully_shard`` call's group (``TORCH_LOGS="+fsdp_traceable"``)."""
     params = ", ".join(f"{fqn} {tuple(info.global_size)}->{tuple(info.sharded_size)}"
-                       for fqn, info in zip(group.fqns, group.infos))
+                       for fqn, info in zip(group.params.fqns, group.params.infos))
     log.debug(
         "fully_shard(%s): group of %d parameters (%d elements, %s): %s; mesh %s "
         "(%s); reshard_after_forward=%s; mp_policy param_dtype=%s reduce_dtype=%s; "
         "offload_to_cpu=%s",
-        ", ".join(type(m).__name__ for m in modules), len(group.infos),
-        sum(info.global_numel for info in group.infos),
-        ", ".join(sorted({str(p.dtype) for p in group.sharded_params})) or "no dtype",
-        params or "none", tuple(group.mesh.shape),
-        "HSDP (replicate, shard)" if group.is_hsdp else "FSDP",
+        ", ".join(type(m).__name__ for m in modules), len(group.params.infos),
+        sum(info.global_numel for info in group.params.infos),
+        ", ".join(sorted({str(p.dtype) for p in group.params.sharded_params})) or "no dtype",
+        params or "none", tuple(group.params.mesh.shape),
+        "HSDP (replicate, shard)" if group.params.is_hsdp else "FSDP",
         "default (True except the root)" if reshard is None else reshard,
-        group.mp_policy.param_dtype, group.mp_policy.reduce_dtype, group.offload_to_cpu,
+        group.params.mp_policy.param_dtype, group.params.mp_policy.reduce_dtype, group.params.offload_to_cpu,
     )
 
 
@@ -268,7 +273,7 @@ def _link_groups(root: FSDPModule) -> None:
     position = {id(g): i for i, g in enumerate(groups)}
     for m in fsdp_modules:
         i = position[id(m._fsdp_group)]
-        if not m._fsdp_group.explicit_forward_prefetch:
+        if not m._fsdp_group.settings.explicit_forward_prefetch:
             m._fsdp_next_groups = groups[i + 1 : i + 2]
     root_state = RootState()
     list_groups = [g for g in groups[1:] if len(g.modules) > 1]
@@ -290,9 +295,9 @@ def _log_order(groups: list[ParamGroup], fsdp_modules: list[FSDPModule]) -> None
         previous = groups[i - 1] if i > 1 else None
         log.debug(
             "group %r%s: reshard_after_forward=%s; forward prefetches %s; backward "
-            "prefetches %s", group.name, " (root)" if group.is_root else "",
-            group.reshard_after_forward, [g.name for g in next_groups[id(group)]],
-            "as set explicitly" if group.explicit_backward_prefetch
+            "prefetches %s", group.name, " (root)" if group.settings.is_root else "",
+            group.settings.reshard_after_forward, [g.name for g in next_groups[id(group)]],
+            "as set explicitly" if group.settings.explicit_backward_prefetch
             else [previous.name] if previous is not None else [],
         )
 

@@ -1,6 +1,6 @@
-"""A parameter group's gradient reduction, as functions of the group's settings: which
-unsharded gradients its backward reduces, and the start of their reduce-scatter (and
-HSDP all-reduce). They read the group and change nothing of it; the group's
+"""A parameter group's gradient reduction, as functions of its parameters and settings:
+which unsharded gradients its backward reduces, and the start of their reduce-scatter
+(and HSDP all-reduce). They change nothing of the group; the group's
 ``post_backward`` (:class:`~.param_group.ParamGroup`) keeps what must outlive the
 call, and, eager, hands the started reduction to the model's
 :class:`~.reduce_queue.ReduceQueue`, which finishes it into ``.grad``.
@@ -18,18 +18,21 @@ from ..collectives.reduce import PendingReduce, start_foreach_reduce
 from ..profiler_labels import phase
 
 if TYPE_CHECKING:
-    from .sharded_group import ShardedGroup
+    from .group_params import GroupParams
+    from .group_settings import GroupSettings
 
 
 def gradients_to_reduce(
-    group: ShardedGroup,
+    params: GroupParams,
+    settings: GroupSettings,
     unsharded_grads: tuple[torch.Tensor | None, ...],
     accumulated: dict[int, torch.Tensor] | None,
 ) -> dict[int, torch.Tensor]:
     """The gradients to reduce, by parameter index.
 
     Args:
-        group: the group whose backward produced ``unsharded_grads``.
+        params: the parameters of the group whose backward produced ``unsharded_grads``.
+        settings: the group's settings.
         unsharded_grads: the backward's gradient per parameter (``None`` if none).
         accumulated: earlier no-sync microbatches' unsharded gradients, by index.
 
@@ -44,21 +47,21 @@ def gradients_to_reduce(
     # As in FSDP2, only parameters that received a gradient are reduced; the others
     # keep .grad None (which is what AdamW and weight decay expect).
     grads = {
-        i: grad for i, (grad, param) in enumerate(zip(unsharded_grads, group.sharded_params))
+        i: grad for i, (grad, param) in enumerate(zip(unsharded_grads, params.sharded_params))
         if grad is not None and param.requires_grad
     }
-    if group.reduce_scatter_unused_params:
-        for i, (info, param) in enumerate(zip(group.infos, group.sharded_params)):
+    if settings.reduce_scatter_unused_params:
+        for i, (info, param) in enumerate(zip(params.infos, params.sharded_params)):
             if i not in grads and param.requires_grad:
                 grads[i] = torch.zeros(info.global_size, dtype=info.param_dtype,
-                                       device=group.device)
-    if accumulated is not None or not group.requires_gradient_sync:
+                                       device=params.device)
+    if accumulated is not None or not settings.requires_gradient_sync:
         # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
-        grads = {i: g.to(group.infos[i].reduce_dtype) for i, g in grads.items()}
+        grads = {i: g.to(params.infos[i].reduce_dtype) for i, g in grads.items()}
     if accumulated is not None:
         for i, earlier in accumulated.items():
             grads[i] = grads[i] + earlier if i in grads else earlier
-    if not group.requires_gradient_sync and comm.use_traced_path():
+    if not settings.requires_gradient_sync and comm.use_traced_path():
         raise NotImplementedError(
             "set_requires_gradient_sync(False) keeps unsharded gradients across "
             "backward calls, which a compiled backward cannot hold; accumulate "
@@ -69,43 +72,47 @@ def gradients_to_reduce(
     return grads
 
 
-def start_reduce(group: ShardedGroup, grads: dict[int, torch.Tensor], indices: list[int],
-                 partial_reduce_output: torch.Tensor | None) -> PendingReduce:
+def start_reduce(params: GroupParams, settings: GroupSettings, grads: dict[int, torch.Tensor],
+                 indices: list[int], partial_reduce_output: torch.Tensor | None, *,
+                 name: str) -> PendingReduce:
     """Starts the reduce-scatter (and HSDP all-reduce) of ``grads``.
 
     Args:
-        group: the group the gradients belong to.
+        params: the parameters of the group the gradients belong to.
+        settings: the group's settings.
         grads: the gradients to reduce, by parameter index (from :func:`gradients_to_reduce`).
         indices: ``sorted(grads)``, the bucket's order.
         partial_reduce_output: HSDP's reduce-scatter output kept from the previous
             backward while the all-reduce was skipped (added to this one), or None.
+        name: the group's name, for the profiler label.
 
     Returns:
         The started reduction.
     """
-    skip_all_reduce = group.is_hsdp and not group.requires_all_reduce
+    skip_all_reduce = params.is_hsdp and not settings.requires_all_reduce
     if skip_all_reduce and comm.use_traced_path():
         raise NotImplementedError(
             "set_requires_all_reduce(False) keeps the reduce-scattered gradients across "
             "backward calls, which a compiled backward cannot hold; run those "
             "microbatches' backward eagerly and only the last one compiled"
         )
-    with phase("reduce_scatter", group.name):
+    with phase("reduce_scatter", name):
         return start_foreach_reduce(
-            [grads[i] for i in indices], [group.infos[i] for i in indices], group.shard_group,
-            all_reduce_group=group.replicate_group,
-            gradient_divide_factor=group.gradient_divide_factor,
-            force_sum_reduction=group.force_sum_reduction,
+            [grads[i] for i in indices], [params.infos[i] for i in indices], params.shard_group,
+            all_reduce_group=params.replicate_group,
+            gradient_divide_factor=settings.gradient_divide_factor,
+            force_sum_reduction=settings.force_sum_reduction,
             all_reduce_grads=not skip_all_reduce,
             partial_reduce_output=partial_reduce_output,
-            all_reduce_hook=_all_reduce_hook(group),
-            reduce_scatter_comm=group.reduce_scatter_comm,
+            all_reduce_hook=_all_reduce_hook(settings, params.device),
+            reduce_scatter_comm=settings.reduce_scatter_comm,
             check=False,
         )
 
 
-def _all_reduce_hook(group: ShardedGroup) -> Callable[[torch.Tensor], None] | None:
-    hook, stream = group.all_reduce_hook, group.all_reduce_hook_stream
+def _all_reduce_hook(settings: GroupSettings, device: torch.device
+                     ) -> Callable[[torch.Tensor], None] | None:
+    hook, stream = settings.all_reduce_hook, settings.all_reduce_hook_stream
     if hook is None or stream is None:
         return hook
     if comm.use_traced_path():
@@ -115,7 +122,7 @@ def _all_reduce_hook(group: ShardedGroup) -> Callable[[torch.Tensor], None] | No
         )
 
     def on_stream(reduce_output: torch.Tensor) -> None:
-        device_module = torch.get_device_module(group.device.type)
+        device_module = torch.get_device_module(device.type)
         current = device_module.current_stream()
         stream.wait_stream(current)
         with device_module.stream(stream):

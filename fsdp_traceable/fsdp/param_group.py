@@ -3,9 +3,9 @@
 pre/post backward.
 
 ``FSDPModule`` calls these methods and nothing else of the group's runtime state,
-which is private here (what the group is, and its settings, are
-:class:`~.sharded_group.ShardedGroup`'s; how it gathers its parameters,
-:class:`~.group_all_gather.GatheringGroup`'s). A forward goes
+which is private here. The group owns its parameters (:class:`GroupParams`: what is
+sharded, where, and bound to which modules), its settings (:class:`GroupSettings`),
+and its eager state (:class:`EagerState`). A forward goes
 ``FSDPModule.forward -> ParamGroup.pre_forward -> unshard_params -> collectives``;
 a backward ``UnshardParams.backward -> ParamGroup.post_backward -> collectives`` and,
 eager, on to the model's reduction queue, which writes ``.grad``.
@@ -22,32 +22,48 @@ import torch.nn as nn
 
 from ..collectives import comm
 from ..collectives.reduce import finish_foreach_reduce
-from ..profiler_labels import phase
-from . import post_accumulate_hooks
+from ..profiler_labels import labelled, phase
+from . import block_backward, group_all_gather, post_accumulate_hooks
+from .all_gather_extensions import PendingUnshard
 from .autograd_bridge import unshard_params
+from .eager_state import EagerState
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
-from .group_all_gather import GatheringGroup
+from .group_params import GroupParams
+from .group_settings import GroupSettings
 from .group_state import GroupState
 from .reduce_queue import GradientTarget
 from .root_state import RootState
-from .sharded_params import check_replacement
-from .unsharded_binding import bind_unsharded, is_bound, unbind_unsharded
 
 log = logging.getLogger(__name__)
 
 
-class ParamGroup(GatheringGroup):
-    """A :class:`~.group_all_gather.GatheringGroup` with its runtime state and life cycle.
+class ParamGroup:
+    """The parameters of one ``fully_shard``-ed module (or list of modules), its
+    settings, and its runtime state and life cycle.
 
     The runtime state: a :class:`GroupState` with the unsharded parameters it holds
     (gathered by :meth:`unshard` for the next forward, or shared by a
     ``fully_shard([a, b])`` group's forward pass and the modules still to run), and, in
-    eager mode only, the gathering's ``EagerState``.
+    eager mode only, an :class:`EagerState` (prefetches, parameters kept for backward,
+    no-sync gradients).
+
+    Args:
+        params: the group's sharded parameters.
+        settings: its settings.
+        modules: its modules (several for ``fully_shard([a, b])``).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, params: GroupParams, settings: GroupSettings, *,
+                 modules: list[nn.Module]) -> None:
+        # What profiler labels and debug logs call the group: its module's path under
+        # the root (set when the root links the groups; "" for the root).
+        self.name = ""
+        self.params = params
+        self.settings = settings
+        block_backward.register(self, self.params.shard_group)
+        # The modules of the group (several for fully_shard([a, b])).
+        self.modules: list[nn.Module] = list(modules)
         # What the model shares between its groups (see [Note: per-model state]); the
         # group is its own model until the root's fully_shard links it.
         self._root_state = RootState()
@@ -59,8 +75,29 @@ class ParamGroup(GatheringGroup):
         # On the root group: the fully_shard([a, b]) groups below it, whose forward
         # pass ends with the root's forward at the latest.
         self._list_groups: list[ParamGroup] = []
+        # Eager-only state between calls (prefetch, parameters kept for backward,
+        # no-sync gradient accumulation).
+        self._eager = EagerState()
         # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
         self._hooks_hidden = False
+
+    def configure(self, **settings: object) -> None:
+        """Sets the group's settings (see [Note: group settings]).
+
+        Args:
+            settings: setting name -> new value, e.g. ``reshard_after_backward=False``.
+        """
+        self.settings.configure(**settings)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The group's next all-gather copy-in waits on ``event`` (used once)."""
+        self.settings.streams.set_post_optim_event(event)
+
+    def add_holder(self, owner: nn.Module, name: str, index: int) -> None:
+        """Records that ``owner.<name>`` is parameter ``index`` of this group."""
+        self.params.add_binding(owner, name, index)
+        # For a replacement of the attribute (see [Note: replaced parameters]).
+        owner.__dict__.setdefault("_fsdp_holders", {})[name] = self
 
     def _set_state(self, state: GroupState,
                    unsharded: tuple[torch.Tensor, ...] | None = None) -> None:
@@ -81,26 +118,16 @@ class ParamGroup(GatheringGroup):
             list_groups: on the root, the ``fully_shard([a, b])`` groups below it.
         """
         self.name = name
-        self.is_root = is_root
+        self.settings.configure(is_root=is_root)
+        if not self.settings.explicit_backward_prefetch:
+            self.settings.configure(prefetch_backward=prefetch_backward)
         self._root_state = root_state
-        if not self.explicit_backward_prefetch:
-            self.prefetch_backward = prefetch_backward
         self._list_groups = list_groups
-
-    # [Note: replaced parameters]
-    # ``module.weight = nn.Parameter(...)`` on a module holding a sharded parameter, or
-    # ``load_state_dict(assign=True)``, goes through ``register_parameter``, which the
-    # classes fully_shard swaps in override (``unsharded_binding.register_parameter``):
-    # the new parameter is checked here first (an nn.Parameter(DTensor) with the old
-    # layout, else TypeError/ValueError, nothing changed), then set on every holder of a
-    # tied parameter and adopted by the group, whose next all-gather gathers it. FSDP2
-    # adopts it at its lazy init (the first forward) and after load_state_dict; a later
-    # replacement it silently reverts at its next unshard, where ours adopts it too.
 
     def replace_param(self, owner: nn.Module, name: str, param: nn.Parameter | None,
                       register: Callable[[nn.Module, str, nn.Parameter], None]) -> None:
         """Sets ``owner.<name>`` (a holder of one of the group's parameters) to ``param``
-        and adopts it. See [Note: replaced parameters].
+        and adopts it, between steps. See [Note: replaced parameters].
 
         Args:
             owner: the module whose attribute is set.
@@ -112,18 +139,15 @@ class ParamGroup(GatheringGroup):
             TypeError, ValueError: ``param`` cannot replace the sharded parameter, or
                 the group's parameters are in use (unsharded or being gathered).
         """
-        index = next(i for o, n, i in self.bindings if o is owner and n == name)
-        check_replacement(self.fqns[index], self.sharded_params[index], param)
-        if is_bound(self) or self.has_prefetch or self._state is not GroupState.SHARDED:
+        index = self.params.check_replacement(owner, name, param)
+        if self.params.is_bound or self.has_prefetch or self._state is not GroupState.SHARDED:
             raise ValueError(
-                f"parameter {self.fqns[index]!r} was replaced while its group's parameters "
-                "are unsharded (during forward, or after unshard()): replace it between "
-                "steps, after reshard()"
+                f"parameter {self.params.fqns[index]!r} was replaced while its group's "
+                "parameters are unsharded (during forward, or after unshard()): replace it "
+                "between steps, after reshard()"
             )
-        for holder, holder_name, i in self.bindings:
-            if i == index:
-                register(holder, holder_name, param)
-        self.refresh_params()
+        self.params.replace(index, param, register)
+        self._eager.reset()
 
     # -- unshard, wait, reshard ------------------------------------------------------
 
@@ -137,7 +161,7 @@ class ParamGroup(GatheringGroup):
         Returns:
             Whether :meth:`wait_for_unshard` still has to finish it.
         """
-        if self._state is not GroupState.SHARDED or is_bound(self):
+        if self._state is not GroupState.SHARDED or self.params.is_bound:
             return False
         if async_op and not comm.use_traced_path():
             self.prefetch()
@@ -147,22 +171,22 @@ class ParamGroup(GatheringGroup):
 
     def wait_for_unshard(self) -> None:
         """Finishes :meth:`unshard`: binds the unsharded parameters to the modules."""
-        if self._state is not GroupState.SHARDED or is_bound(self):
+        if self._state is not GroupState.SHARDED or self.params.is_bound:
             return
-        self._check_materialized()
+        self.params.check_materialized()
         with torch.enable_grad():  # the forward that uses them may need their backward
             unsharded = unshard_params(self, recompute_in_backward=False)
         self._set_state(GroupState.UNSHARDED, unsharded)
-        bind_unsharded(self, unsharded)
+        self.params.bind(unsharded)
 
     def reshard(self) -> None:
         """Frees the unsharded parameters: those :meth:`unshard` gathered, a prefetched
         all-gather, and (eager) parameters kept for or after backward."""
         if self._state is GroupState.UNSHARDED:
             self._set_state(GroupState.SHARDED)
-            unbind_unsharded(self)
+            self.params.unbind()
         with phase("reshard", self.name):
-            self._drop_prefetched()
+            group_all_gather.complete_all_gather(self._eager.take_prefetched()[0])
             self._eager.drop_unsharded()
 
     def reset_iter_state(self) -> None:
@@ -172,8 +196,96 @@ class ParamGroup(GatheringGroup):
             self._release_shared()
         self._eager.keep_accumulated_grads(None)
 
+    # -- gathering ----------------------------------------------------------------------
+
+    @property
+    def has_prefetch(self) -> bool:
+        """Whether an eager all-gather issued ahead of its use is in flight."""
+        return self._eager.prefetched is not None
+
+    def refresh_params(self) -> None:
+        """Re-reads the sharded parameters from their modules (after ``module._apply``,
+        e.g. ``to_empty``, may have replaced them); forgets what eager kept of the old ones."""
+        self.params.refresh()
+        self._eager.reset()
+
+    def prefetch(self) -> None:
+        """Eager: issues this group's all-gather now, to overlap the compute before it."""
+        if not self.params.sharded_params or self.compiled_on_its_own():
+            return
+        self.params.check_materialized()
+        if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("prefetch: all-gather of group %r issued early", self.name)
+            self._eager.keep_prefetched(self.start_all_gather(), self.params.local_versions())
+
+    def compiled_on_its_own(self) -> bool:
+        """Whether a module of the group was compiled by itself (``module.compile()``, as
+        per-block compile does): its graph gathers the parameters, so an eager prefetch
+        from the module before it would never be used."""
+        return any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
+
+    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight.
+
+        Called by the group's autograd bridge (``UnshardParams``) with the sharded
+        local tensors it differentiates through.
+        """
+        if comm.use_traced_path():
+            pending = group_all_gather.start_all_gather(
+                self.params, list(sharded_locals), streams=None,
+                all_gather_comm=self.settings.all_gather_comm)
+            return self.finish_all_gather(pending)
+        if self._eager.unsharded_for_backward is not None:
+            # Kept by a backward with reshard_after_backward=False: like FSDP2, the
+            # next forward uses them whatever the flag says now.
+            return self._eager.unsharded_for_backward
+        kept = self._eager.forward_unsharded(self.params.local_versions())
+        if kept is not None:
+            # Gathered by an earlier forward of this group, which does not reshard after
+            # forward, and not resharded by a backward since: like FSDP2, still unsharded.
+            return kept
+        pending = self._take_prefetched()
+        if pending is None:
+            pending = self.start_all_gather()
+        unsharded = self.finish_all_gather(pending)
+        post_forward_mesh = self.settings.post_forward_mesh
+        if post_forward_mesh is not None:
+            # FSDP2 keeps this piece from the forward's end until the next all-gather;
+            # it is taken now, while the all-gather output is alive.
+            self._eager.keep_piece(post_forward_mesh.keep(pending), self.params.local_versions())
+        return unsharded
+
+    @labelled("all_gather")
+    def start_all_gather(self) -> PendingUnshard:
+        """Starts the group's all-gather (eager), from the post-forward piece when one is
+        kept; finish it with :meth:`finish_all_gather`."""
+        settings = self.settings
+        kept, versions = self._eager.take_piece()
+        if (kept is not None and settings.post_forward_mesh is not None
+                and versions == self.params.local_versions()):
+            return settings.post_forward_mesh.regather(kept, settings.all_gather_comm)
+        return group_all_gather.start_all_gather(
+            self.params, [p._local_tensor for p in self.params.sharded_params],
+            streams=settings.streams, all_gather_comm=settings.all_gather_comm,
+        )
+
+    @labelled("all_gather_copy_out")
+    def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
+        """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""
+        return group_all_gather.finish_all_gather(pending)
+
+    def _take_prefetched(self) -> PendingUnshard | None:
+        """The prefetched all-gather, unless a parameter changed since it was issued."""
+        pending, versions = self._eager.take_prefetched()
+        if pending is not None and versions != self.params.local_versions():
+            group_all_gather.complete_all_gather(pending)
+            pending = None
+        return pending
+
     # -- forward ------------------------------------------------------------------------
 
+    @labelled("pre_forward")
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                     ) -> tuple[tuple, dict, ForwardScope]:
         """Casts the inputs and binds the group's unsharded parameters to its modules.
@@ -191,28 +303,32 @@ class ParamGroup(GatheringGroup):
         Returns:
             The (cast) arguments and what :meth:`post_forward` releases.
         """
-        with phase("pre_forward", self.name):
-            return self._pre_forward(module, args, kwargs)
-
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
-                     ) -> tuple[tuple, dict, ForwardScope]:
         traced = comm.use_traced_path()
         if self._hooks_hidden and not traced:  # only an eager backward hides them
             self.restore_post_accumulate_hooks()
-        self._check_materialized()
-        args, kwargs = prepare_inputs(self, module, args, kwargs, traced)
+        self.params.check_materialized()
+        settings = self.settings
+        if traced and (settings.explicit_forward_prefetch or settings.explicit_backward_prefetch):
+            raise NotImplementedError(
+                "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch schedule "
+                "eager all-gathers; in a compiled graph Inductor places them "
+                "(torch.compile(options=fsdp_traceable.inductor_options(overlap=True))). "
+                "Pass [] to both setters before compiling"
+            )
+        args, kwargs = prepare_inputs(module, args, kwargs, self.params.device_type,
+                                      self.params.mp_policy)
         shared = len(self.modules) > 1
         if self._state is GroupState.UNSHARDED:
             unsharded = self._unsharded
             self._set_state(GroupState.SHARDED)
         elif self._state is GroupState.LIST_FORWARD:
             return args, kwargs, ForwardScope(None, self._enter_hooks(traced))
-        elif is_bound(self):
+        elif self.params.is_bound:
             return args, kwargs, ForwardScope(None, None)
         else:
-            reshard = self.reshard_after_forward and torch.is_grad_enabled()
+            reshard = self.settings.reshard_after_forward and torch.is_grad_enabled()
             unsharded = unshard_params(self, recompute_in_backward=reshard and traced)
-            bind_unsharded(self, unsharded)
+            self.params.bind(unsharded)
         if shared:
             self._set_state(GroupState.LIST_FORWARD, unsharded)
             self._modules_to_run = {id(m) for m in self.modules}
@@ -220,14 +336,15 @@ class ParamGroup(GatheringGroup):
             for child in module._fsdp_next_groups:
                 if child._state is not GroupState.UNSHARDED:  # else unshard() gathered it
                     child.prefetch()
-            if self.reshard_after_forward:
+            if self.settings.reshard_after_forward:
                 self._root_state.saved_unsharded.register(self, list(unsharded))
-            elif torch.is_grad_enabled() and self.has_trainable_params:
+            elif torch.is_grad_enabled() and self.params.has_trainable:
                 # Its backward reshards them, or keeps them for the next forward; until
                 # then forwards reuse them, as FSDP2's unsharded group.
-                self._eager.keep_forward_unsharded(tuple(unsharded), self._local_versions())
+                self._eager.keep_forward_unsharded(tuple(unsharded), self.params.local_versions())
         return args, kwargs, ForwardScope(unsharded, self._enter_hooks(traced))
 
+    @labelled("post_forward")
     def post_forward(self, module: nn.Module, scope: ForwardScope, output: Any) -> Any:
         """Releases what :meth:`pre_forward` bound (per the group's pass) and casts the output.
 
@@ -239,10 +356,6 @@ class ParamGroup(GatheringGroup):
         Returns:
             ``output``, cast to ``mp_policy.output_dtype`` if set.
         """
-        with phase("post_forward", self.name):
-            return self._post_forward(module, scope, output)
-
-    def _post_forward(self, module: nn.Module, scope: ForwardScope, output: Any) -> Any:
         if scope.hooks is not None:
             scope.hooks.__exit__(None, None, None)
         if len(self.modules) > 1:
@@ -251,13 +364,13 @@ class ParamGroup(GatheringGroup):
                 self._release_shared()
         elif scope.unsharded is not None:
             self._release(scope.unsharded)
-        if self.is_root and scope.unsharded is not None:
+        if self.settings.is_root and scope.unsharded is not None:
             # FSDP2 ends the pass of groups whose modules did not all run at the root's end.
             for other in self._list_groups:
                 if other._state is GroupState.LIST_FORWARD:
                     other._release_shared()
-        if self.mp_policy.output_dtype is not None:
-            output = cast_floats(output, self.mp_policy.output_dtype)
+        if self.params.mp_policy.output_dtype is not None:
+            output = cast_floats(output, self.params.mp_policy.output_dtype)
         return output
 
     def abort_forward(self, scope: ForwardScope) -> None:
@@ -281,36 +394,31 @@ class ParamGroup(GatheringGroup):
 
     def _release(self, unsharded: tuple[torch.Tensor, ...]) -> None:
         if comm.use_traced_path():
-            unbind_unsharded(self)
+            self.params.unbind()
             return
         if log.isEnabledFor(logging.DEBUG):
             log.debug("group %r after forward: %s", self.name,
-                      "reshard (backward re-gathers)" if self.reshard_after_forward
+                      "reshard (backward re-gathers)" if self.settings.reshard_after_forward
                       else "keep the unsharded parameters for backward")
-        if not self.reshard_after_forward:
-            unbind_unsharded(self)
+        if not self.settings.reshard_after_forward:
+            self.params.unbind()
             return
         with phase("reshard", self.name):
             self._root_state.saved_unsharded.unregister(list(unsharded))
             # Parameters kept after a backward served this forward; like FSDP2, it
             # reshards them now and backward gathers again.
             self._eager.drop_for_backward()
-            unbind_unsharded(self)
+            self.params.unbind()
 
     def _enter_hooks(self, traced: bool) -> Any:
         """Eager reshard-after-forward: autograd saves tokens for the unsharded parameters."""
-        if traced or not self.reshard_after_forward:
+        if traced or not self.settings.reshard_after_forward:
             return None
         hooks = self._root_state.saved_unsharded.hooks()
         hooks.__enter__()
         return hooks
 
     # -- backward -------------------------------------------------------------------------
-
-    @property
-    def has_trainable_params(self) -> bool:
-        """Whether a backward can reach this group's gradient reduction."""
-        return any(p.requires_grad for p in self.sharded_params)
 
     def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None:
         """Eager no-sync microbatches' gradients (by parameter index), for a compiled
@@ -321,14 +429,14 @@ class ParamGroup(GatheringGroup):
         """Eager: the parameters, re-gathered once for this group's backward (by the
         first saved tensor its backward unpacks), then prefetches per the group's order."""
         if self._eager.unsharded_for_backward is None:
-            with phase("pre_backward", self.name):
-                self._unshard_for_backward()
+            self._unshard_for_backward()
         return self._eager.unsharded_for_backward
 
+    @labelled("pre_backward")
     def _unshard_for_backward(self) -> None:
-        if not self.unshard_in_backward:
+        if not self.settings.unshard_in_backward:
             raise RuntimeError(
-                f"the backward of the group of {self.fqns[:3]} reads its parameters, but "
+                f"the backward of the group of {self.params.fqns[:3]} reads its parameters, but "
                 "set_unshard_in_backward(False) was called on its module: set it back "
                 "to True (False is only for modules whose backward needs no parameters)"
             )
@@ -342,18 +450,19 @@ class ParamGroup(GatheringGroup):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         # Prefetch only once this group's all-gather buffer is freed: the peak then
         # holds one in-flight buffer, not two.
-        if self.prefetch_backward is not None:
-            self.prefetch_backward()
+        if self.settings.prefetch_backward is not None:
+            self.settings.prefetch_backward()
 
     def _end_backward(self) -> None:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("group %r after backward: %s", self.name,
-                      "reshard" if self.reshard_after_backward
+                      "reshard" if self.settings.reshard_after_backward
                       else "keep the unsharded parameters for the next forward")
-        if self.reshard_after_backward:
+        if self.settings.reshard_after_backward:
             with phase("reshard", self.name):
                 self._eager.drop_for_backward()
 
+    @labelled("post_backward")
     def post_backward(
         self,
         unsharded_grads: tuple[torch.Tensor | None, ...],
@@ -371,8 +480,39 @@ class ParamGroup(GatheringGroup):
             Traced, the sharded gradient per parameter (``None`` for those without);
             eager, all ``None``: the model's reduction queue writes ``.grad``.
         """
-        with phase("post_backward", self.name):
-            return self._post_backward(unsharded_grads, accumulated)
+        # [Note: a traced backward mutates no Python state]
+        # Dynamo refuses side effects inside an autograd.Function's backward, and a
+        # compiled-autograd graph replays without running this Python: a traced backward
+        # returns its sharded gradients through autograd and changes nothing else. Every
+        # eager state it reads is empty then (end_backward, take_accumulated_grads and
+        # take_partial_reduce_output change nothing), and the settings that keep
+        # gradients across backward calls (no gradient sync, HSDP without its
+        # all-reduce) raise under a traced backward (gradient_reduction).
+        self._eager.end_backward(self.settings.reshard_after_backward)
+        if not accumulated:
+            accumulated = self._eager.take_accumulated_grads()
+        grads = gradients_to_reduce(self.params, self.settings, unsharded_grads, accumulated)
+        sharded_grads: list[torch.Tensor | None] = [None] * len(self.params.sharded_params)
+        if not self.settings.requires_gradient_sync:
+            self._eager.keep_accumulated_grads(grads)
+            return sharded_grads
+        if not grads:
+            return sharded_grads
+        indices = sorted(grads)
+        pending = start_reduce(self.params, self.settings, grads, indices,
+                               self._eager.take_partial_reduce_output(), name=self.name)
+        if not comm.use_traced_path():
+            # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
+            # groups' gradients; the gradients reach .grad when it is finished (by the
+            # next group's reduction or at the end of backward), not through autograd.
+            self._root_state.reduce_queue.put(
+                pending, GradientTarget(self.params.sharded_params, indices,
+                                        self._eager.keep_partial_reduce_output))
+            return sharded_grads
+        result = finish_foreach_reduce(pending)
+        for i, grad in zip(indices, result.sharded_grads):
+            sharded_grads[i] = grad
+        return sharded_grads
 
     def post_backward_outside_backward(self) -> None:
         """Eager, outside a backward pass: FSDP2's ``FSDPParamGroup.post_backward()``, which
@@ -384,62 +524,24 @@ class ParamGroup(GatheringGroup):
         parameters kept for backward are freed. A group with nothing accumulated reduces
         nothing, so a second call is a no-op.
         """
-        if self._eager.has_accumulated_grads and self.requires_gradient_sync:
-            self.post_backward((None,) * len(self.sharded_params))
-        elif self.reshard_after_backward:
+        if self._eager.has_accumulated_grads and self.settings.requires_gradient_sync:
+            self.post_backward((None,) * len(self.params.sharded_params))
+        elif self.settings.reshard_after_backward:
             self._eager.end_backward(reshard_after_backward=True)
 
     def hide_post_accumulate_hooks(self) -> None:
         """Eager backward: autograd must not run the parameters' post-accumulate-grad
         hooks; the reduction does (see [Note: post-accumulate-grad hooks in eager backward])."""
-        if post_accumulate_hooks.hide(self.sharded_params):
+        if post_accumulate_hooks.hide(self.params.sharded_params):
             self._hooks_hidden = True
 
     def restore_post_accumulate_hooks(self) -> None:
         """Puts back what :meth:`hide_post_accumulate_hooks` took (none ran meanwhile)."""
         self._hooks_hidden = False
-        for param in self.sharded_params:
+        for param in self.params.sharded_params:
             post_accumulate_hooks.restore(param)
 
     def finish_reductions(self) -> None:
         """Finishes the model's eager gradient reductions in flight (writing ``.grad``),
         as FSDP2's root post-backward callback waits for its reduce-scatters."""
         self._root_state.reduce_queue.finish_all()
-
-    def _post_backward(
-        self,
-        unsharded_grads: tuple[torch.Tensor | None, ...],
-        accumulated: dict[int, torch.Tensor] | None,
-    ) -> list[torch.Tensor | None]:
-        # [Note: a traced backward mutates no Python state]
-        # Dynamo refuses side effects inside an autograd.Function's backward, and a
-        # compiled-autograd graph replays without running this Python: a traced backward
-        # returns its sharded gradients through autograd and changes nothing else. Every
-        # eager state it reads is empty then (end_backward, take_accumulated_grads and
-        # take_partial_reduce_output change nothing), and the settings that keep
-        # gradients across backward calls (no gradient sync, HSDP without its
-        # all-reduce) raise under a traced backward (gradient_reduction).
-        self._eager.end_backward(self.reshard_after_backward)
-        if not accumulated:
-            accumulated = self._eager.take_accumulated_grads()
-        grads = gradients_to_reduce(self, unsharded_grads, accumulated)
-        sharded_grads: list[torch.Tensor | None] = [None] * len(self.sharded_params)
-        if not self.requires_gradient_sync:
-            self._eager.keep_accumulated_grads(grads)
-            return sharded_grads
-        if not grads:
-            return sharded_grads
-        indices = sorted(grads)
-        pending = start_reduce(self, grads, indices, self._eager.take_partial_reduce_output())
-        if not comm.use_traced_path():
-            # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
-            # groups' gradients; the gradients reach .grad when it is finished (by the
-            # next group's reduction or at the end of backward), not through autograd.
-            self._root_state.reduce_queue.put(
-                pending, GradientTarget(self.sharded_params, indices,
-                                        self._eager.keep_partial_reduce_output))
-            return sharded_grads
-        result = finish_foreach_reduce(pending)
-        for i, grad in zip(indices, result.sharded_grads):
-            sharded_grads[i] = grad
-        return sharded_grads

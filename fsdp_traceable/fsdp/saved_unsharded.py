@@ -20,18 +20,23 @@ parameters, and nothing of a model outlives it here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
+
+class RegatheringGroup(Protocol):
+    """What a token asks of its parameter group (``ParamGroup``) when it is unpacked."""
+
+    def pre_backward(self) -> list[torch.Tensor]:
+        """The group's unsharded parameters, gathered once for its backward."""
+        ...
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _SavedUnshardedView(NamedTuple):
-    group: ParamGroup
+    group: RegatheringGroup
     index: int
     attr: str | None  # the inner tensor of a wrapper-subclass parameter, or None
     size: torch.Size
@@ -66,12 +71,12 @@ class SavedUnsharded:
     def __init__(self) -> None:
         # storage data_ptr -> (group, parameter index, dtype, inner attribute or None)
         # of every unsharded parameter (or inner tensor of one) registered.
-        self._live: dict[int, tuple[ParamGroup, int, torch.dtype, str | None]] = {}
+        self._live: dict[int, tuple[RegatheringGroup, int, torch.dtype, str | None]] = {}
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def register(self, group: ParamGroup, unsharded: list[torch.Tensor]) -> None:
+    def register(self, group: RegatheringGroup, unsharded: list[torch.Tensor]) -> None:
         """Saves of ``unsharded`` (``group``'s parameters, by index) become tokens."""
         for index, tensor in enumerate(unsharded):
             for attr, storage_tensor in _storage_tensors(tensor):

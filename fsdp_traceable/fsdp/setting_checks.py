@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn as nn
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -19,6 +20,20 @@ def check_bool(name: str, value: object) -> None:
     """Raises ``TypeError`` unless ``value`` (the argument ``name``) is a bool."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_fsdp_modules(modules: Any) -> list[nn.Module]:
+    """``modules`` as a list, if it is a list of ``fully_shard``-ed modules (a prefetch
+    setter's argument)."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for module in modules:
+        if not isinstance(module, nn.Module) or "_fsdp_group" not in vars(module):
+            raise ValueError(
+                f"Expects FSDPModule but got {type(module).__name__}: pass modules "
+                "fsdp_traceable.fully_shard was applied to"
+            )
+    return list(modules)
 
 
 def check_comm(comm: Any, name: str) -> Any:
@@ -48,8 +63,8 @@ def fsdp2_comms(*names: str) -> list[type]:
 def check_no_custom_comm(groups: list[ParamGroup], method: str, allowed: tuple[type, ...]) -> None:
     """Raises if a group has a custom comm ``method`` would replace (other than ``allowed``)."""
     for group in groups:
-        for comm, setter in ((group.all_gather_comm, "set_custom_all_gather"),
-                             (group.reduce_scatter_comm, "set_custom_reduce_scatter")):
+        for comm, setter in ((group.settings.all_gather_comm, "set_custom_all_gather"),
+                             (group.settings.reduce_scatter_comm, "set_custom_reduce_scatter")):
             if comm is not None and not isinstance(comm, allowed):
                 raise ValueError(
                     f"{method}() replaces the comm that {setter}() set "
@@ -78,7 +93,7 @@ def check_no_sync_eager(groups: list[ParamGroup]) -> None:
         if group.compiled_on_its_own():
             raise NotImplementedError(
                 f"set_requires_gradient_sync(False) with the module of group {group.name!r} "
-                f"(parameters {group.fqns[:3]}) compiled by itself (module.compile()): its "
+                f"(parameters {group.params.fqns[:3]}) compiled by itself (module.compile()): its "
                 "compiled backward reduce-scatters on every backward and cannot keep "
                 "unsharded gradients. Run these modules eagerly while accumulating "
                 "without sync (pipeline schedules do for every microbatch), or compile "

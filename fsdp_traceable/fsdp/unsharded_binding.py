@@ -9,13 +9,11 @@ one property per such parameter (:func:`owner_class`); the property reads the mo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
+# (module, attribute name, parameter index): one module attribute holding a parameter.
+Binding = tuple[nn.Module, str, int]
 
 # The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
 # per-class cache. They hold no model state (the unsharded parameters live in each
@@ -25,24 +23,24 @@ if TYPE_CHECKING:
 _owner_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
-def is_bound(group: ParamGroup) -> bool:
-    """Whether the group's unsharded parameters are bound to its modules right now."""
-    if not group.bindings:
+def is_bound(bindings: list[Binding]) -> bool:
+    """Whether unsharded parameters are bound to ``bindings`` right now."""
+    if not bindings:
         return False
-    owner, name, _ = group.bindings[0]
+    owner, name, _ = bindings[0]
     return name in owner.__dict__["_fsdp_unsharded"]
 
 
-def bind_unsharded(group: ParamGroup, unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-    """Makes the group's modules read ``unsharded`` (by parameter index) for their parameters."""
-    unsharded = group.compute_params(unsharded)
-    for owner, name, i in group.bindings:
+def bind_unsharded(bindings: list[Binding],
+                   unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+    """Makes each binding's module read ``unsharded`` (by parameter index) for its attribute."""
+    for owner, name, i in bindings:
         owner.__dict__["_fsdp_unsharded"][name] = unsharded[i]
 
 
-def unbind_unsharded(group: ParamGroup) -> None:
-    """Makes the group's modules read their sharded parameters again."""
-    for owner, name, _ in group.bindings:
+def unbind_unsharded(bindings: list[Binding]) -> None:
+    """Makes each binding's module read its sharded parameter again."""
+    for owner, name, _ in bindings:
         owner.__dict__["_fsdp_unsharded"].pop(name, None)
 
 
@@ -59,7 +57,7 @@ def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -
     """``nn.Module.register_parameter`` of the swapped-in classes: ``module.weight = ...``
     and ``load_state_dict(assign=True)`` come here. A sharded parameter's replacement is
     checked and adopted by its group (see [Note: replaced parameters])."""
-    group = self.__dict__.get("_fsdp_holders", {}).get(name)
+    group = self.__dict__.get("_fsdp_holders", {}).get(name)  # a ParamGroup
     if group is None:
         _register_on(self, name, param)
         return

@@ -139,7 +139,7 @@ def cpu_offload(rank: int, world_size: int, mode: str) -> dict[str, Any]:
                          offload_policy=CPUOffloadPolicy(pin_memory=False))
     model = titan_shard(uneven_transformer(), fsdp_traceable.fully_shard,
                         offload_policy=CPUOffloadPolicy(pin_memory=False))
-    result["offload_flags"] = sorted({m._fsdp_group.offload_to_cpu for m in model.modules()
+    result["offload_flags"] = sorted({m._fsdp_group.params.offload_to_cpu for m in model.modules()
                                       if isinstance(m, fsdp_traceable.FSDPModule)})
     return result
 

@@ -72,7 +72,7 @@ def deprecated_divide_factor(rank: int, world_size: int) -> dict[str, Any]:
             warnings.simplefilter("always")
             model.set_reduce_scatter_divide_factor(float(world_size))
         caught[name] = sorted({type(r.message).__name__ for r in records})
-    return {"warnings": caught, "factor": ours._fsdp_group.gradient_divide_factor}
+    return {"warnings": caught, "factor": ours._fsdp_group.settings.gradient_divide_factor}
 
 
 def force_sum(rank: int, world_size: int) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def _eager_against_fsdp2(rank: int, world_size: int, float8_only_bucket: bool) -
     ours = shard_float8_mlp(copy.deepcopy(base), fsdp_traceable.fully_shard)
     result = {"theirs": _train(theirs, rank), "ours": _train(ours, rank)}
     result["hooked"] = [
-        [e is not None for e in m._fsdp_group.extensions]
+        [e is not None for e in m._fsdp_group.params.extensions]
         for m in (ours.first, ours.second, ours.ordinary)
     ]
     return result
@@ -275,16 +275,16 @@ def test_one_argument_pre_hook_gets_the_shard_mesh(fake_world):
     _MeshOnlyWeight.calls.clear()
     linear(torch.randn(3, 16))
     assert _MeshOnlyWeight.calls == [(mesh,)]
-    assert linear._fsdp_group.extensions[0].module is linear
+    assert linear._fsdp_group.params.extensions[0].module is linear
 
 
 def test_ordinary_parameters_take_the_plain_path(fake_world):
     linear = fsdp_traceable.fully_shard(nn.Linear(16, 12), mesh=init_device_mesh("cpu", (2,)))
     group = linear._fsdp_group
-    assert group.extensions == [None, None]
+    assert group.params.extensions == [None, None]
     pending = group.start_all_gather()
     assert pending.hook_inputs is None
-    assert pending.result.infos == tuple(group.infos)
+    assert pending.result.infos == tuple(group.params.infos)
     group.finish_all_gather(pending)
 
 

@@ -59,9 +59,9 @@ def test_share_comm_ctx_shares_one_stream_context(fake_mesh):
     import torch.nn as nn
 
     modules = [fsdp_traceable.fully_shard(nn.Linear(4, 4), mesh=fake_mesh) for _ in range(3)]
-    assert modules[0]._fsdp_group.streams is not modules[1]._fsdp_group.streams
+    assert modules[0]._fsdp_group.settings.streams is not modules[1]._fsdp_group.settings.streams
     fsdp2.share_comm_ctx(modules)
-    assert all(m._fsdp_group.streams is modules[0]._fsdp_group.streams for m in modules)
+    assert all(m._fsdp_group.settings.streams is modules[0]._fsdp_group.settings.streams for m in modules)
 
 
 def test_post_optim_event_is_used_by_the_next_copy_in_only(fake_mesh):
@@ -74,8 +74,8 @@ def test_post_optim_event_is_used_by_the_next_copy_in_only(fake_mesh):
     event = torch.Event(device="cpu")
     model.set_post_optim_event(event)
     groups = [model._fsdp_group, model[0]._fsdp_group]
-    assert all(g.streams.post_optim_event is event for g in groups)
-    with groups[0].streams.copy_in_context():
+    assert all(g.settings.streams.post_optim_event is event for g in groups)
+    with groups[0].settings.streams.copy_in_context():
         pass
-    assert groups[0].streams.post_optim_event is None
-    assert groups[1].streams.post_optim_event is event
+    assert groups[0].settings.streams.post_optim_event is None
+    assert groups[1].settings.streams.post_optim_event is event

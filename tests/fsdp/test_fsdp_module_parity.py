@@ -52,11 +52,11 @@ def test_set_reshard_after_forward_takes_recurse_positionally(fake_mesh):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(model[0], mesh=fake_mesh)
     fully_shard(model, mesh=fake_mesh)
-    assert model._fsdp_group.reshard_after_forward is False  # the root's default
+    assert model._fsdp_group.settings.reshard_after_forward is False  # the root's default
     model.set_reshard_after_forward(True, False)
-    assert model._fsdp_group.reshard_after_forward is True
+    assert model._fsdp_group.settings.reshard_after_forward is True
     model.set_reshard_after_forward(False, recurse=True)
-    assert model[0]._fsdp_group.reshard_after_forward is False
+    assert model[0]._fsdp_group.settings.reshard_after_forward is False
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])

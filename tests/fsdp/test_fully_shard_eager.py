@@ -31,7 +31,7 @@ def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
     unsharded block parameter and it was saved as a tensor, not a token.
     """
     _, _, model = make_models(CONFIG, reshard_after_forward=reshard_after_forward)
-    block_infos = {id(layer._fsdp_group.infos[0]) for layer in model.layers}
+    block_infos = {id(layer._fsdp_group.params.infos[0]) for layer in model.layers}
     # Holding the tensors keeps their addresses from being reused by activations.
     unsharded_storages: dict[int, torch.Tensor] = {}
     saved_bytes = 0
@@ -100,8 +100,8 @@ def test_forward_saves_no_unsharded_params_and_peak_not_above_fsdp2() -> None:
 def _order_body(rank: int, world_size: int) -> list[tuple[str, str]]:
     _, _, model = make_models(CONFIG)
     # Keyed by a group's first ShardInfo object, which every bucket of the group starts with.
-    names = {id(model._fsdp_group.infos[0]): "root"}
-    names.update({id(layer._fsdp_group.infos[0]): f"block{i}" for i, layer in enumerate(model.layers)})
+    names = {id(model._fsdp_group.params.infos[0]): "root"}
+    names.update({id(layer._fsdp_group.params.infos[0]): f"block{i}" for i, layer in enumerate(model.layers)})
     events: list[tuple[str, str]] = []
     original_gather = group_all_gather_module.foreach_all_gather
     original_reduce = gradient_reduction_module.start_foreach_reduce

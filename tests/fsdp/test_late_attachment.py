@@ -82,7 +82,7 @@ def test_a_replacement_laid_out_otherwise_raises_at_the_assignment(fake_mesh) ->
         linear.weight = other
     with pytest.raises(TypeError, match="'weight'.*None"):
         linear.weight = None
-    assert linear.weight is old and linear._fsdp_group.sharded_params[0] is old
+    assert linear.weight is old and linear._fsdp_group.params.sharded_params[0] is old
 
 
 def test_hook_handles_remove_hooks_registered_before_and_after(fake_mesh) -> None:
@@ -131,7 +131,7 @@ def test_a_meta_built_model_adopts_loaded_parameters(fake_mesh) -> None:
              for k, v in linear.state_dict().items()}
     linear.load_state_dict(state, assign=True)
     assert linear.weight is state["weight"] and not linear.weight.is_meta
-    assert linear._fsdp_group.sharded_params[0] is state["weight"]
+    assert linear._fsdp_group.params.sharded_params[0] is state["weight"]
 
 
 def test_a_forward_on_meta_raises_fsdp2s_error_before_the_all_gather(fake_mesh) -> None:

@@ -49,16 +49,16 @@ def test_int_values_map_to_fsdp2_meaning() -> None:
             fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)
         with pytest.warns(UserWarning, match="reshard_after_forward=1"):
             one = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=1)
-        assert one._fsdp_group.reshard_after_forward is False
+        assert one._fsdp_group.settings.reshard_after_forward is False
         four = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=4)
-        assert four._fsdp_group.reshard_after_forward is True
-        assert four._fsdp_group.post_forward_mesh is None
+        assert four._fsdp_group.settings.reshard_after_forward is True
+        assert four._fsdp_group.settings.post_forward_mesh is None
         two = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2)
-        assert two._fsdp_group.reshard_after_forward is True
-        assert two._fsdp_group.post_forward_mesh.group_size == 2
-        assert two._fsdp_group.post_forward_mesh.group.size() == 2
+        assert two._fsdp_group.settings.reshard_after_forward is True
+        assert two._fsdp_group.settings.post_forward_mesh.group_size == 2
+        assert two._fsdp_group.settings.post_forward_mesh.group.size() == 2
         two.set_reshard_after_forward(True)  # a bool replaces the int, as in FSDP2
-        assert two._fsdp_group.post_forward_mesh is None
+        assert two._fsdp_group.settings.post_forward_mesh is None
 
 
 def test_compiled_forward_raises_clearly() -> None:
