@@ -46,7 +46,7 @@ def test_compiled_tp_fsdp_trains_like_fsdp2_eager_without_graph_breaks():
 
 
 def test_dp_mesh_dims_raises_under_compile() -> None:
-    """``dp_mesh_dims`` runs eagerly only (see ``fsdp/tensor_parallel.py``); compiled, the
+    """``dp_mesh_dims`` runs eagerly only (see ``fsdp/features/tensor_parallel.py``); compiled, the
     first forward says so (one process, a fake (2, 2) world)."""
     dims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
     if dims is None:

@@ -16,7 +16,7 @@ Where they are applied (unchanged from before they moved here):
   gradients meet them).
 * :func:`drop_mesh_hash_from_pickles`: on every ``fully_shard`` call.
 * :func:`rewrite_aot_backwards`: on the first parameter group built
-  (``backward_regions.install``, through ``fsdp/block_backward.py``).
+  (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
 * :func:`complete_whole_step_recompute`: by :func:`fsdp_traceable.compile_step`.
 
 No other module of the package may assign to, wrap or filter anything of torch's.

@@ -235,9 +235,8 @@ def _new_empty_strided(dtensor: DTensor) -> DTensor:
 
 def test_torch_still_replicates_an_uneven_new_empty_strided(uneven_mesh) -> None:
     if not _torch_patches.shard_uneven_new_empty_strided():
-        # This torch has no even-shard restriction left: the next test shows it keeps
-        # the placement on its own.
-        return
+        pytest.skip("this torch keeps an uneven shard's placement on its own (no patch "
+                    "applied; the next test shows the placement)")
     # Another shape than the next test's (DTensor caches the result per op and shapes).
     piece = _dim0_piece(uneven_mesh, 8, 30, 7)
     propagator = DTensor._op_dispatcher.sharding_propagator

@@ -23,13 +23,13 @@ from .arguments import (
     reshard_after_forward_flag,
 )
 from .class_swap import fsdp_class, swap_class
+from .features.pipeline_state import register_state
+from .features.tensor_parallel import data_parallel_mesh
 from .fsdp_module import FSDPModule
 from .group_params import GroupParams
 from .group_settings import GroupSettings
 from .param_group import ParamGroup
-from .pipeline_state import register_state
 from .root_state import RootState
-from .tensor_parallel import data_parallel_mesh
 from .unsharded_binding import owner_class
 
 if TYPE_CHECKING:  # torch 2.12+; torch 2.11 has no dp_mesh_dims

@@ -5,17 +5,28 @@ group's (:class:`~.param_group.ParamGroup`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..collectives import comm, foreach_all_gather, foreach_all_gather_copy_out
-from .all_gather_extensions import PendingUnshard, all_gather_inputs, unsharded_from_outputs
+from ..collectives import AllGatherResult, comm, foreach_all_gather, foreach_all_gather_copy_out
+from .features.all_gather_extensions import (
+    AllGatherInputs,
+    all_gather_inputs,
+    unsharded_from_outputs,
+)
 
 if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     from .group_params import GroupParams
+
+
+class PendingUnshard(NamedTuple):
+    """A group's all-gather in flight, and, with extensions, what its post hooks need."""
+
+    result: AllGatherResult
+    hook_inputs: AllGatherInputs | None
 
 
 def start_all_gather(

@@ -17,10 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from ..collectives import ShardInfo
 from ..collectives.validation import check_bucket_bytes
-from .all_gather_extensions import AllGatherExtension, detect_extension
 from .arguments import shard_placement
+from .features.all_gather_extensions import AllGatherExtension, detect_extension
+from .features.tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
 from .sharded_params import check_replacement, pinned, shard_info, sharded_param
-from .tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
 from .unsharded_binding import Binding, bind_unsharded, is_bound, unbind_unsharded
 
 Versions = list[tuple[int, int]]

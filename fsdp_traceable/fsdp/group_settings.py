@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import comm
-from .post_forward_mesh import PostForwardMesh
+from .features.post_forward_mesh import PostForwardMesh
 
 if TYPE_CHECKING:  # FSDP2's comm interfaces, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

@@ -23,12 +23,13 @@ import torch.nn as nn
 from ..collectives import comm
 from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import labelled, phase
-from . import block_backward, group_all_gather, post_accumulate_hooks
-from .all_gather_extensions import PendingUnshard
+from . import group_all_gather, post_accumulate_hooks
 from .autograd_bridge import unshard_params
 from .eager_state import EagerState
+from .features import block_backward
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
+from .group_all_gather import PendingUnshard
 from .group_params import GroupParams
 from .group_settings import GroupSettings
 from .group_state import GroupState

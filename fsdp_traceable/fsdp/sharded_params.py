@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..collectives import ShardInfo, make_shard_info, shard_tensor
-from .tensor_parallel import TensorParallelLayout
+from .features.tensor_parallel import TensorParallelLayout
 
 
 def shard_info(

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..collectives import comm
+from ...collectives import comm
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 if TYPE_CHECKING:
-    from .param_group import ParamGroup
+    from ..param_group import ParamGroup
 
 try:  # torch's composable-API registry: where fully_shard.state(module) looks
     from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
@@ -77,11 +77,10 @@ class _StateContext:
 
     @property
     def all_states(self) -> list[FullyShardState]:
-        from .fsdp_module import FSDPModule
-
         states, seen = [], set()
         for m in self._module.modules():
-            if isinstance(m, FSDPModule) and id(m._fsdp_group) not in seen:
+            # A fully_shard-ed module of ours holds its group in its __dict__.
+            if "_fsdp_group" in vars(m) and id(m._fsdp_group) not in seen:
                 seen.add(id(m._fsdp_group))
                 states.append(_state_of(m))
         return states
