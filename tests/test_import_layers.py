@@ -131,3 +131,15 @@ def test_no_module_imports_a_higher_layer() -> None:
         if layer(target) > layer(module)
     ]
     assert upward == []
+
+
+def test_fsdp_features_import_nothing_of_the_core() -> None:
+    # The opt-in parts sit below the core that calls them (fsdp/features/__init__.py).
+    features = f"{PACKAGE}.fsdp.features"
+    into_core = [
+        f"{module} -> {target}"
+        for module, targets in sorted(import_graph().items()) if module.startswith(features)
+        for target in sorted(targets)
+        if target.startswith(f"{PACKAGE}.fsdp.") and not target.startswith(features)
+    ]
+    assert into_core == []

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .features.all_gather_extensions import PendingUnshard
 from .features.post_forward_mesh import KeptPiece
-from .group_all_gather import PendingUnshard
 
 Versions = list[tuple[int, int]]
 

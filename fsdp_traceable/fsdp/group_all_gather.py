@@ -5,13 +5,13 @@ group's (:class:`~.param_group.ParamGroup`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..collectives import AllGatherResult, comm, foreach_all_gather, foreach_all_gather_copy_out
+from ..collectives import comm, foreach_all_gather, foreach_all_gather_copy_out
 from .features.all_gather_extensions import (
-    AllGatherInputs,
+    PendingUnshard,
     all_gather_inputs,
     unsharded_from_outputs,
 )
@@ -20,13 +20,6 @@ if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     from .group_params import GroupParams
-
-
-class PendingUnshard(NamedTuple):
-    """A group's all-gather in flight, and, with extensions, what its post hooks need."""
-
-    result: AllGatherResult
-    hook_inputs: AllGatherInputs | None
 
 
 def start_all_gather(

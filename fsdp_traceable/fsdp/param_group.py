@@ -27,9 +27,9 @@ from . import group_all_gather, post_accumulate_hooks
 from .autograd_bridge import unshard_params
 from .eager_state import EagerState
 from .features import block_backward
+from .features.all_gather_extensions import PendingUnshard
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
-from .group_all_gather import PendingUnshard
 from .group_params import GroupParams
 from .group_settings import GroupSettings
 from .group_state import GroupState

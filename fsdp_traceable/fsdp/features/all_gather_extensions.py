@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ...collectives import ShardInfo, comm
+from ...collectives import AllGatherResult, ShardInfo, comm
 from ...sizes import contiguous_strides
 
 _PRE_HOOK_SIGNATURE = (
@@ -300,3 +300,10 @@ def unsharded_from_outputs(
             unsharded.append(extension.post_all_gather(local, hook_outputs, meta))
         start += count
     return unsharded
+
+
+class PendingUnshard(NamedTuple):
+    """A group's all-gather in flight, and, with extensions, what its post hooks need."""
+
+    result: AllGatherResult
+    hook_inputs: AllGatherInputs | None

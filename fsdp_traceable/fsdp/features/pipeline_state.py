@@ -25,13 +25,10 @@ registered and the stage code, which then does not call it either, is unaffected
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-if TYPE_CHECKING:
-    from ..param_group import ParamGroup
 
 try:  # torch's composable-API registry: where fully_shard.state(module) looks
     from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
@@ -57,10 +54,16 @@ def register_state(module: nn.Module) -> bool:
     return True
 
 
+class _OutsideBackward(Protocol):
+    """What a stage's call needs of a parameter group (``ParamGroup``)."""
+
+    def post_backward_outside_backward(self) -> None: ...
+
+
 class _GroupBackward:
     """One parameter group as the stage code calls it: ``post_backward()``."""
 
-    def __init__(self, group: ParamGroup) -> None:
+    def __init__(self, group: _OutsideBackward) -> None:
         self._group = group
 
     def post_backward(self, *unused: object) -> None:

@@ -16,8 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...collectives import AllGatherResult, ShardInfo, comm
-from ..group_all_gather import PendingUnshard
-from .all_gather_extensions import AllGatherInputs
+from .all_gather_extensions import AllGatherInputs, PendingUnshard
 
 if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
