@@ -1,8 +1,8 @@
 """TP + FSDP on a (dp=2, tp=2) mesh of 4 gloo ranks, and expert parallel + FSDP on a
-MoE model (``tests/fsdp/expert_parallel_cases.py``), compiled whole: our model under
+MoE model (``tests/fsdp/features/expert_parallel_cases.py``), compiled whole: our model under
 ``torch.compile(fullgraph=True)`` with compiled autograd (``aot_eager``: Dynamo,
 AOTAutograd and compiled autograd, without Inductor's code generation) against torch's
-FSDP2 eager, 3 AdamW steps; the eager comparison is ``tests/fsdp/test_tensor_parallel.py``."""
+FSDP2 eager, 3 AdamW steps; the eager comparison is ``tests/fsdp/features/test_tensor_parallel.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp import tensor_parallel_cases
+from tests.fsdp.features import tensor_parallel_cases
 
 
 def _assert_close(theirs: dict, ours: dict, what: str) -> None:

@@ -62,7 +62,7 @@ class ParamGroup:
         self.name = ""
         self.params = params
         self.settings = settings
-        block_backward.register(self, self.params.shard_group)
+        block_backward.track_group(self, self.params.shard_group)
         # The modules of the group (several for fully_shard([a, b])).
         self.modules: list[nn.Module] = list(modules)
         # What the model shares between its groups (see [Note: per-model state]); the

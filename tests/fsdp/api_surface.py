@@ -171,7 +171,7 @@ LATE_ATTACHMENT = [
      "FSDP2's `RuntimeError` before the group's first all-gather",
      "tests/fsdp/test_late_attachment.py"),
     ("`fsdp_pre_all_gather` / `fsdp_post_all_gather` set on a local shard", "same",
-     "looked up at every all-gather", "tests/fsdp/test_all_gather_extensions.py"),
+     "looked up at every all-gather", "tests/fsdp/features/test_all_gather_extensions.py"),
 ]
 
 

@@ -13,7 +13,7 @@ import pytest
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 from tests.fsdp import torchtitan_cases
-from tests.fsdp.test_tensor_parallel import _assert_same
+from tests.fsdp.features.test_tensor_parallel import _assert_same
 
 
 @pytest.mark.gloo

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_traceable
-from tests.fsdp.tensor_parallel_cases import SEQ, VOCAB, train
+from tests.fsdp.features.tensor_parallel_cases import SEQ, VOCAB, train
 
 DIM, N_HEADS, N_KV_HEADS, N_LAYERS = 32, 4, 2, 2
 

@@ -32,7 +32,7 @@ _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _shard_group_names: WeakKeyDictionary[object, str] = WeakKeyDictionary()
 
 
-def register(group: object, shard_group: dist.ProcessGroup) -> None:
+def track_group(group: object, shard_group: dist.ProcessGroup) -> None:
     """Marks ``shard_group``'s reduce-scatters as fully_shard's while ``group`` (a
     parameter group) lives, and makes sure compiled autograd outlines one-group
     backwards."""

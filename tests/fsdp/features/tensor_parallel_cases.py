@@ -295,7 +295,7 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch 2.12+
         result["spmd"] = spmd_parity(mesh, dp_rank)
     result["dp_shard_cp"] = flattened_mesh_parity()
-    from tests.fsdp import expert_parallel_cases  # (which builds on this file's TinyLM)
+    from tests.fsdp.features import expert_parallel_cases  # (which builds on this file's TinyLM)
 
     result["moe"] = expert_parallel_cases.eager_parity()
     result["errors"] = rejected_inputs(mesh)
@@ -357,7 +357,7 @@ def compiled_parity(rank: int, world_size: int, backend: str) -> dict[str, Any]:
     result["frames"] = [frame.name for frame in record.frames]
     result["recompiles"] = len(record.recompiles)
     result["captures"] = record.compiled_autograd_captures
-    from tests.fsdp import expert_parallel_cases
+    from tests.fsdp.features import expert_parallel_cases
 
     result["moe"] = expert_parallel_cases.compiled_parity(rank, world_size, backend)
     dist.barrier()

@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 import fsdp_traceable
 from fsdp_traceable.testing import track_compiles
-from tests.fsdp.tensor_parallel_cases import TinyLM, train
+from tests.fsdp.features.tensor_parallel_cases import TinyLM, train
 
 # torch 2.13's names; the older ones (deprecated there) before.
 _all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp import tensor_parallel_cases
+from tests.fsdp.features import tensor_parallel_cases
 
 
 def _assert_same(theirs: dict, ours: dict, what: str) -> None:

@@ -14,7 +14,7 @@ import torch
 import fsdp_traceable
 from fsdp_traceable.fsdp.features.pipeline_state import FullyShardState
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp import pipeline_parallel_cases as cases
+from tests.fsdp.features import pipeline_parallel_cases as cases
 
 
 @pytest.fixture(scope="module")
