@@ -18,6 +18,9 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
   backward);
 * ``ours-step``: fsdp_traceable, the whole step (forward, loss, backward) as one graph:
   ``fsdp_traceable.compile_step`` (Inductor); the optimizer step runs eagerly;
+* ``ours-step-saved``: ``ours-step`` with ``compile_step(cache_dir=...)`` (in the cache
+  directory): the first process compiles the step ahead of its first call and saves it,
+  a restarted one (``--warm``) loads it without compiling;
 * ``unsharded-whole``: the same model unsharded, whole-model compile + compiled autograd;
 * ``unsharded-step``: the same model unsharded, its whole step by ``compile_step``;
 * ``fsdp2-blocks``: torch FSDP2 with ``block.compile()`` per block (its hooks run
@@ -55,7 +58,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot", "ours-step",
-           "unsharded-whole", "unsharded-step", "fsdp2-blocks", "unsharded-regions")
+           "ours-step-saved", "unsharded-whole", "unsharded-step", "fsdp2-blocks", "unsharded-regions")
 
 
 def _child(config: str, layers: int, dim: int, steps: int,
@@ -103,13 +106,16 @@ def _child(config: str, layers: int, dim: int, steps: int,
                 TransformerBlock.forward)
         if config.endswith(("-whole", "-regions")):
             loss_fn = torch.compile(model.loss, fullgraph=True)
-        elif config.endswith("-step"):
+        elif config.endswith(("-step", "-step-saved")):
             def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                 loss = model.loss(tokens, targets)
                 loss.backward()
                 return loss.detach()
 
-            loss_fn = fsdp_traceable.compile_step(forward_backward)
+            cache_dir = None
+            if config.endswith("-saved"):
+                cache_dir = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "steps")
+            loss_fn = fsdp_traceable.compile_step(forward_backward, cache_dir=cache_dir)
         else:
             for block in model.layers:
                 block.compile(fullgraph=config.startswith("ours"))
@@ -131,7 +137,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
             t0 = time.perf_counter()
             loss = loss_fn(tokens, torch.roll(tokens, 1, dims=1))
             forward_s.append(time.perf_counter() - t0)
-            if not config.endswith("-step"):  # (a whole step ran backward already)
+            if "-step" not in config:  # (a whole step ran backward already)
                 with backward_context():
                     loss.backward()
             optimizer.step()
@@ -149,6 +155,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
         "steady_step_s": steady,
         "import_s": import_s,
         "process_to_first_step_end_s": to_first_step_end,
+        "step_source": getattr(loss_fn, "source", None),
         "frame_compiles": len(record.frames),
         "frames": sorted(set(f.name for f in record.frames)),
         "unique_graphs": counters["stats"].get("unique_graphs", 0),

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from . import _torch_patches
+from .step_cache import PrecompiledStep, precompile_available
 
 __all__ = ["compile_step", "dynamo_traces_backward_into_dtensors"]
 
@@ -67,6 +69,7 @@ def compile_step(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
     dynamic: bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> Callable[_P, _R]:
     """Compiles a whole training step, forward, loss and ``loss.backward()``, into one graph.
 
@@ -86,6 +89,11 @@ def compile_step(
         mode: ``torch.compile``'s mode.
         options: ``torch.compile``'s backend options.
         dynamic: ``torch.compile``'s ``dynamic``.
+        cache_dir: a folder where the first call saves the compiled step (one file per
+            rank) and where a restarted process loads it from instead of compiling
+            (see [Note: precompiled steps]); the step's arguments must then be tensors
+            and plain values, and the modules it uses reached from its closure or
+            globals.
 
     Returns:
         The compiled step, called as ``step``.
@@ -103,13 +111,41 @@ def compile_step(
             f"parameters (2.12 or newer); torch {torch.__version__} cannot. Compile the "
             "model with compiled autograd instead (see the recipes in the README)"
         )
+    if cache_dir is not None and not precompile_available():
+        raise RuntimeError(
+            f"compile_step(cache_dir=...) saves the compiled step with torch.compile's "
+            f"aot_compile, which torch {torch.__version__} does not have: drop cache_dir "
+            "(AOTAutograd's and Inductor's caches still serve a restart)"
+        )
+    if cache_dir is not None and options and "guard_filter_fn" in options:
+        raise ValueError(
+            "compile_step(cache_dir=...) chooses the guards a saved step keeps: remove "
+            "'guard_filter_fn' from options"
+        )
     _torch_patches.complete_whole_step_recompute()
-    compiled = torch.compile(step, fullgraph=True, backend=backend, mode=mode,
-                             options=options, dynamic=dynamic)
+
+    def compile_with(guard_filter_fn: Callable[..., Any] | None = None) -> Any:
+        step_options = dict(options or {})
+        if guard_filter_fn is not None:
+            step_options["guard_filter_fn"] = guard_filter_fn
+        return torch.compile(step, fullgraph=True, backend=backend, mode=mode,
+                             options=step_options or None, dynamic=dynamic)
+
+    def tracing() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
+        stack.enter_context(_cacheable_functions())
+        return stack
+
+    compiled = compile_with()
 
     @functools.wraps(step)
     def compiled_step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with torch._dynamo.config.patch(trace_autograd_ops=True), _cacheable_functions():
+        with tracing():
             return compiled(*args, **kwargs)
 
-    return compiled_step
+    if cache_dir is None:
+        return compiled_step
+    precompiled = PrecompiledStep(step, cache_dir, compile_fn=compile_with,
+                                  tracing_context=tracing, fallback=compiled_step)
+    return functools.wraps(step)(precompiled)

@@ -1,0 +1,70 @@
+"""``compile_step(cache_dir=...)``: a restarted process loads the saved whole step and
+trains on without compiling; ranks agree on loading or compiling; a changed model or
+setting is a miss, never a stale graph."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+import fsdp_traceable
+from compile_tests.sharded_model import data, make_model
+from fsdp_traceable.step_cache import _closure_modules, fingerprint, precompile_available
+from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+
+needs_precompile = pytest.mark.skipif(
+    not (dynamo_traces_backward_into_dtensors() and precompile_available()),
+    reason="this torch cannot compile a whole step ahead of time (2.12+)")
+
+
+@needs_precompile
+@pytest.mark.gloo
+def test_a_restarted_process_loads_the_saved_step_and_ranks_agree(tmp_path: pathlib.Path) -> None:
+    from compile_tests import step_cache_cases
+
+    cache_dir = str(tmp_path)
+    first = run_on_local_ranks(step_cache_cases.train, 2, cache_dir)
+    assert [r["source"] for r in first] == ["compiled", "compiled"]
+    # One file per rank (and its inlined sources' checksums).
+    assert len({r["path"] for r in first}) == 2 and len(first[0]["saved"]) == 4
+
+    # Rank 1's file is gone: rank 0 could load, but both compile (and rank 1 saves).
+    pathlib.Path(first[1]["path"]).unlink()
+    again = run_on_local_ranks(step_cache_cases.train, 2, cache_dir)
+    assert [r["source"] for r in again] == ["compiled", "compiled"]
+
+    restarted = run_on_local_ranks(step_cache_cases.train, 2, cache_dir)
+    assert [r["source"] for r in restarted] == ["loaded", "loaded"]
+    assert [r["frames"] for r in restarted] == [0, 0]  # nothing traced or compiled
+    for before, after in zip(first, restarted):
+        assert torch.equal(before["losses"], after["losses"])
+        for a, b in zip(before["shards"], after["shards"]):
+            assert torch.equal(a, b)
+
+
+@needs_precompile
+def test_fingerprint_follows_what_the_dropped_guards_stood_for(fake_world: None) -> None:
+    # The saved step keeps only its arguments' guards: the key must change with the
+    # model's layout and its groups' settings, and not between identical models.
+    def key_of(model: torch.nn.Module) -> str:
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return model.loss(tokens, targets)
+
+        return fingerprint(step, _closure_modules(step), data(), {})
+
+    base = key_of(make_model())
+    assert key_of(make_model()) == base
+    changed = make_model()
+    changed.layers[0].set_reshard_after_backward(False, recurse=False)
+    assert key_of(changed) != base
+    assert key_of(make_model(reshard_after_forward=False)) != base
+
+
+@needs_precompile
+def test_compile_step_refuses_a_guard_filter_with_cache_dir(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="guard_filter_fn"):
+        fsdp_traceable.compile_step(lambda x: x, cache_dir=tmp_path,
+                                    options={"guard_filter_fn": lambda entries: entries})

@@ -1,0 +1,261 @@
+"""A whole training step compiled once, saved per rank, and loaded by a restarted process
+without compiling: :func:`compile_step`'s ``cache_dir``.
+
+[Note: precompiled steps]
+``torch.compile(step, fullgraph=True).aot_compile(example_inputs)`` (torch 2.12+) returns
+the step's Dynamo bytecode, guards and compiled graph as one object that
+``save_compiled_function`` writes and ``torch.compiler.load_compiled_function`` reads back
+in another process: no Dynamo trace, no AOTAutograd, no Inductor compile, so a restart
+reaches its first step in the time it takes to load the kernels. The model the step closes
+over is not saved: the new process's model is handed in at load (``external_data``).
+
+Dynamo's guards on that model (its modules, the groups' settings, the parameters) cannot
+be saved, so only the guards on the step's arguments and on global state are kept, and the
+file is keyed instead by a fingerprint of everything those dropped guards stood for: the
+torch and package versions, the world size and rank, the step's code, the model's module
+types and parameter layouts, and each ``fully_shard`` group's settings. The source of every
+function Dynamo inlined is checked against the saved checksums at load. A mismatch of any
+of these is a miss, never a stale graph: the step compiles again and is saved under its new
+key. Every rank loads or misses, then all agree on one answer (a MIN all-reduce over the
+default group), so no rank runs the loaded graph while another compiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import json
+import logging
+import os
+import pathlib
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+# Where a fully_shard-ed module of ours keeps its group (see fsdp/fully_shard.py).
+_GROUP_ATTR = "_fsdp_group"
+_FORMAT = 1
+
+
+def precompile_available() -> bool:
+    """Whether this torch saves and loads compiled functions (2.12 and newer)."""
+    compiled = torch.compile(lambda x: x, fullgraph=True)
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(compiled, "aot_compile")
+
+
+class PrecompiledStep:
+    """A step compiled ahead of time on its first call, or loaded from ``cache_dir``.
+
+    Args:
+        step: the training step (see :func:`~fsdp_traceable.compile_step`).
+        cache_dir: the folder holding one file per rank and fingerprint.
+        compile_fn: ``compile_fn(guard_filter_fn)`` returns ``torch.compile(step, ...)``
+            with that guard filter, called within the whole-step tracing context.
+        tracing_context: the context the step is traced in (``trace_autograd_ops``).
+        fallback: the step compiled the usual way, for arguments the saved guards reject
+            (e.g. another batch shape).
+    """
+
+    def __init__(self, step: Callable[..., Any], cache_dir: str | os.PathLike, *,
+                 compile_fn: Callable[[Callable[..., Any]], Any],
+                 tracing_context: Callable[[], Any], fallback: Callable[..., Any]) -> None:
+        self._step = step
+        self._cache_dir = pathlib.Path(cache_dir)
+        self._compile_fn = compile_fn
+        self._tracing_context = tracing_context
+        self._fallback = fallback
+        self._compiled: Any = None
+        # What the first call did, "loaded" or "compiled", and this rank's file.
+        self.source: str | None = None
+        self.path: pathlib.Path | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled is None:
+            self._compiled = self._load_or_compile(args, kwargs)
+        if self._compiled.guard_check(*args, **kwargs):
+            return self._compiled(*args, **kwargs)
+        return self._fallback(*args, **kwargs)
+
+    def _load_or_compile(self, args: tuple, kwargs: dict) -> Any:
+        modules = _closure_modules(self._step)
+        key = fingerprint(self._step, modules, args, kwargs)
+        path = self.path = self._cache_dir / f"step-{key}.bin"
+        loaded = _load(path, self._step, modules)
+        if _all_ranks_agree(loaded is not None) and loaded is not None:
+            self.source = "loaded"
+            log.debug("whole step loaded from %s", path)
+            return loaded
+        with self._tracing_context():
+            compiled = self._compile_fn(_argument_guards(self._step)).aot_compile((args, kwargs))
+        _save(compiled, path, modules)
+        self.source = "compiled"
+        log.debug("whole step compiled and saved to %s", path)
+        return compiled
+
+
+def _argument_guards(step: Callable[..., Any]) -> Callable[[list[Any]], list[bool]]:
+    """The guard filter that keeps what a saved step can check: global state, the shape
+    environment, and guards on the step's own arguments (their shapes and dtypes)."""
+    arguments = set(inspect.signature(step).parameters)
+
+    def keep(entries: list[Any]) -> list[bool]:
+        return [entry.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
+                or entry.name.split(".")[0].split("[")[0] in arguments
+                for entry in entries]
+
+    return keep
+
+
+def _closure_modules(step: Callable[..., Any]) -> dict[str, nn.Module]:
+    """The modules the step reaches outside its arguments: its closure cells and the
+    globals it names (what the saved function takes from the new process)."""
+    code = step.__code__
+    modules = {name: cell.cell_contents
+               for name, cell in zip(code.co_freevars, step.__closure__ or ())
+               if isinstance(cell.cell_contents, nn.Module)}
+    for name in code.co_names:
+        value = step.__globals__.get(name)
+        if isinstance(value, nn.Module):
+            modules[name] = value
+    return modules
+
+
+def fingerprint(step: Callable[..., Any], modules: dict[str, nn.Module],
+                args: tuple, kwargs: dict) -> str:
+    """The key of a saved step: what the guards dropped at saving stood for.
+
+    Args:
+        step: the training step.
+        modules: the modules it closes over, by name.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        A hex digest that changes when any of them changes in a way the graph depends on.
+    """
+    digest = hashlib.sha256()
+    for part in _fingerprint_parts(step, modules, args, kwargs, _package_version()):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:24]
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("fsdp-traceable")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "source"
+
+
+def _fingerprint_parts(step: Callable[..., Any], modules: dict[str, nn.Module], args: tuple,
+                       kwargs: dict, version: str) -> Iterator[str]:
+    yield f"format={_FORMAT} torch={torch.__version__} fsdp_traceable={version}"
+    if dist.is_initialized():
+        yield f"world={dist.get_world_size()} rank={dist.get_rank()}"
+    yield _code_digest(step.__code__)
+    for name, value in [*enumerate(args), *sorted(kwargs.items())]:
+        yield f"arg {name}: {_describe(value)}"
+    for root_name, root in sorted(modules.items()):
+        for path, module in root.named_modules(prefix=root_name):
+            yield f"module {path}: {type(module).__module__}.{type(module).__qualname__}"
+            group = vars(module).get(_GROUP_ATTR)
+            if group is not None:
+                yield f"group {path}: {_group_settings(group)}"
+        for name, tensor in [*root.named_parameters(prefix=root_name),
+                             *root.named_buffers(prefix=root_name)]:
+            yield f"tensor {name}: {_describe(tensor)} requires_grad={tensor.requires_grad}"
+
+
+def _code_digest(code: Any) -> str:
+    digest = hashlib.sha256(code.co_code)
+    for const in code.co_consts:
+        digest.update((_code_digest(const) if inspect.iscode(const) else repr(const)).encode())
+    digest.update(repr(code.co_names).encode())
+    return digest.hexdigest()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        placements = getattr(value, "placements", None)
+        local = value.to_local() if placements is not None else value
+        return (f"{type(value).__name__} {tuple(value.shape)} local {tuple(local.shape)} "
+                f"{value.dtype} {value.device.type} {placements}")
+    return f"{type(value).__qualname__} {value!r}" if isinstance(
+        value, (bool, int, float, str, type(None))) else type(value).__qualname__
+
+
+def _group_settings(group: Any) -> str:
+    from .fsdp.group_settings import SETTINGS
+
+    settings = {name: _describe(getattr(group.settings, name)) for name in sorted(SETTINGS)}
+    params = group.params
+    settings["mp_policy"] = repr(params.mp_policy)
+    settings["offload_to_cpu"] = repr(params.offload_to_cpu)
+    settings["mesh"] = repr(tuple(params.mesh.shape))
+    return json.dumps(settings, sort_keys=True)
+
+
+def _source_checksums(compiled: Any) -> list[list[Any]]:
+    """(module, first line, last line, sha256) of every function Dynamo inlined."""
+    return sorted([source.module, source.firstlineno, source.lastlineno, source.checksum]
+                  for source in compiled.source_info().inlined_sources)
+
+
+def _sources_unchanged(checksums: list[list[Any]]) -> bool:
+    for module_name, first, last, checksum in checksums:
+        try:
+            lines = inspect.getsourcelines(importlib.import_module(module_name))[0]
+        except (ImportError, OSError, TypeError):
+            return False
+        source = "".join(lines[first - 1:last - 1])
+        if hashlib.sha256(source.encode()).hexdigest() != checksum:
+            return False
+    return True
+
+
+def _load(path: pathlib.Path, step: Callable[..., Any], modules: dict[str, nn.Module]) -> Any:
+    """The saved step at ``path`` if it exists and the code it inlined is unchanged."""
+    sources = path.with_suffix(".sources.json")
+    if not (path.is_file() and sources.is_file()):
+        return None
+    if not _sources_unchanged(json.loads(sources.read_text())):
+        log.debug("whole step at %s: the code it inlined changed", path)
+        return None
+    with path.open("rb") as file:
+        compiled = torch.compiler.load_compiled_function(
+            file, f_globals=step.__globals__, external_data=modules)
+    compiled.disable_guard_check()  # PrecompiledStep checks once per call
+    return compiled
+
+
+def _save(compiled: Any, path: pathlib.Path, modules: dict[str, nn.Module]) -> None:
+    """Writes the step and its inlined sources' checksums, each atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path.with_suffix(".sources.json"),
+                  json.dumps(_source_checksums(compiled)).encode())
+    compiled.save_compiled_function(str(path), external_data=modules)
+
+
+def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as file:
+        file.write(data)
+    os.replace(file.name, path)
+
+
+def _all_ranks_agree(loaded: bool) -> bool:
+    """Whether every rank loaded its saved step (one MIN all-reduce on the default group)."""
+    if not dist.is_initialized():
+        return loaded
+    backend = str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
+    flag = torch.tensor([int(loaded)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
