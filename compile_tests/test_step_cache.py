@@ -31,8 +31,8 @@ def test_a_restarted_process_loads_the_saved_step_and_ranks_agree(tmp_path: path
     # One file per rank (and its inlined sources' checksums).
     assert len({r["path"] for r in first}) == 2 and len(first[0]["saved"]) == 4
 
-    # Rank 1's file is gone: rank 0 could load, but both compile (and rank 1 saves).
-    pathlib.Path(first[1]["path"]).unlink()
+    # Rank 1's file is damaged: rank 0 could load, but both compile (rank 1 saves again).
+    pathlib.Path(first[1]["path"]).write_bytes(b"not a saved step")
     again = run_on_local_ranks(step_cache_cases.train, 2, cache_dir)
     assert [r["source"] for r in again] == ["compiled", "compiled"]
 

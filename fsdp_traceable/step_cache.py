@@ -229,9 +229,14 @@ def _load(path: pathlib.Path, step: Callable[..., Any], modules: dict[str, nn.Mo
     if not _sources_unchanged(json.loads(sources.read_text())):
         log.debug("whole step at %s: the code it inlined changed", path)
         return None
-    with path.open("rb") as file:
-        compiled = torch.compiler.load_compiled_function(
-            file, f_globals=step.__globals__, external_data=modules)
+    try:
+        with path.open("rb") as file:
+            compiled = torch.compiler.load_compiled_function(
+                file, f_globals=step.__globals__, external_data=modules)
+    except Exception as err:  # a damaged or foreign file: this rank compiles (and says so)
+        log.warning("whole step at %s could not be loaded (%s: %s); compiling it again",
+                    path, type(err).__name__, err)
+        return None
     compiled.disable_guard_check()  # PrecompiledStep checks once per call
     return compiled
 
