@@ -172,6 +172,16 @@ def _eager_locals(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return locals_
 
 
+def _module_params(params: GroupParams) -> list[torch.nn.Parameter]:
+    """The sharded parameters read from their modules' ``_parameters``; see
+    [Note: Dynamo reaches parameters through their module]."""
+    module_params: list[torch.nn.Parameter | None] = [None] * len(params.sharded_params)
+    for owner, name, index in params.bindings:
+        if module_params[index] is None:
+            module_params[index] = owner._parameters[name]
+    return module_params
+
+
 def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
     """The group's unsharded parameters, connected to autograd.
 
@@ -195,7 +205,7 @@ def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tu
     # Not ``sharded_params`` when traced: testing that list makes Dynamo reach its
     # first parameter through it, not through its module (see [Note: Dynamo reaches
     # parameters through their module]).
-    params = group.params.module_params() if traced else group.params.sharded_params
+    params = _module_params(group.params) if traced else group.params.sharded_params
     # A zero-size parameter gets no gradient (see _eager_locals).
     if traced:
         sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]

@@ -165,15 +165,6 @@ class GroupParams:
                 register(holder, holder_name, param)
         self.refresh()
 
-    def module_params(self) -> list[nn.Parameter]:
-        """The sharded parameters read from their modules' ``_parameters``; see
-        [Note: Dynamo reaches parameters through their module]."""
-        params: list[nn.Parameter | None] = [None] * len(self.sharded_params)
-        for owner, name, index in self.bindings:
-            if params[index] is None:
-                params[index] = owner._parameters[name]
-        return params
-
     def refresh(self) -> None:
         """Re-reads the sharded parameters from their modules (after ``module._apply``,
         e.g. ``to_empty``, may have replaced them) and re-pins offloaded shards."""
