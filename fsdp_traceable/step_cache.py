@@ -40,8 +40,6 @@ import torch.nn as nn
 
 log = logging.getLogger(__name__)
 
-# Where a fully_shard-ed module of ours keeps its group (see fsdp/fully_shard.py).
-_GROUP_ATTR = "_fsdp_group"
 _FORMAT = 1
 
 
@@ -96,6 +94,7 @@ class PrecompiledStep:
         with self._tracing_context():
             compiled = self._compile_fn(_argument_guards(self._step)).aot_compile((args, kwargs))
         _save(compiled, path, modules)
+        compiled.disable_guard_check()  # __call__ checks once per call
         self.source = "compiled"
         log.debug("whole step compiled and saved to %s", path)
         return compiled
@@ -163,12 +162,13 @@ def _fingerprint_parts(step: Callable[..., Any], modules: dict[str, nn.Module], 
     yield _code_digest(step.__code__)
     for name, value in [*enumerate(args), *sorted(kwargs.items())]:
         yield f"arg {name}: {_describe(value)}"
+    from .fsdp import FSDPModule
+
     for root_name, root in sorted(modules.items()):
         for path, module in root.named_modules(prefix=root_name):
             yield f"module {path}: {type(module).__module__}.{type(module).__qualname__}"
-            group = vars(module).get(_GROUP_ATTR)
-            if group is not None:
-                yield f"group {path}: {_group_settings(group)}"
+            if isinstance(module, FSDPModule):
+                yield f"group {path}: {_group_settings(module._fsdp_group)}"
         for name, tensor in [*root.named_parameters(prefix=root_name),
                              *root.named_buffers(prefix=root_name)]:
             yield f"tensor {name}: {_describe(tensor)} requires_grad={tensor.requires_grad}"
@@ -237,7 +237,7 @@ def _load(path: pathlib.Path, step: Callable[..., Any], modules: dict[str, nn.Mo
         log.warning("whole step at %s could not be loaded (%s: %s); compiling it again",
                     path, type(err).__name__, err)
         return None
-    compiled.disable_guard_check()  # PrecompiledStep checks once per call
+    compiled.disable_guard_check()  # PrecompiledStep.__call__ checks once per call
     return compiled
 
 

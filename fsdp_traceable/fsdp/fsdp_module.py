@@ -238,7 +238,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: ``fully_shard``-ed modules, typically the next one or two blocks.
         """
-        self._fsdp_next_groups = [m._fsdp_group for m in check_fsdp_modules(modules)]
+        self._fsdp_next_groups = [m._fsdp_group for m in check_fsdp_modules(modules, FSDPModule)]
         self._fsdp_group.configure(explicit_forward_prefetch=bool(modules))
         _log_prefetch("forward", self._fsdp_group, self._fsdp_next_groups)
 
@@ -251,7 +251,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: ``fully_shard``-ed modules, typically the previous one or two blocks.
         """
-        groups = [m._fsdp_group for m in check_fsdp_modules(modules)]
+        groups = [m._fsdp_group for m in check_fsdp_modules(modules, FSDPModule)]
         group = self._fsdp_group
         group.configure(prefetch_backward=prefetch_all(groups) if groups else None,
                         explicit_backward_prefetch=bool(modules))

@@ -241,12 +241,13 @@ class ParamGroup:
             # Kept by a backward with reshard_after_backward=False: like FSDP2, the
             # next forward uses them whatever the flag says now.
             return self._eager.unsharded_for_backward
-        kept = self._eager.forward_unsharded(self.params.local_versions())
+        versions = self.params.local_versions()
+        kept = self._eager.forward_unsharded(versions)
         if kept is not None:
             # Gathered by an earlier forward of this group, which does not reshard after
             # forward, and not resharded by a backward since: like FSDP2, still unsharded.
             return kept
-        pending = self._take_prefetched()
+        pending = self._take_prefetched(versions)
         if pending is None:
             pending = self.start_all_gather()
         unsharded = self.finish_all_gather(pending)
@@ -254,7 +255,7 @@ class ParamGroup:
         if post_forward_mesh is not None:
             # FSDP2 keeps this piece from the forward's end until the next all-gather;
             # it is taken now, while the all-gather output is alive.
-            self._eager.keep_piece(post_forward_mesh.keep(pending), self.params.local_versions())
+            self._eager.keep_piece(post_forward_mesh.keep(pending), versions)
         return unsharded
 
     @labelled("all_gather")
@@ -276,10 +277,11 @@ class ParamGroup:
         """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""
         return group_all_gather.finish_all_gather(pending)
 
-    def _take_prefetched(self) -> PendingUnshard | None:
-        """The prefetched all-gather, unless a parameter changed since it was issued."""
-        pending, versions = self._eager.take_prefetched()
-        if pending is not None and versions != self.params.local_versions():
+    def _take_prefetched(self, versions: list[tuple[int, int]]) -> PendingUnshard | None:
+        """The prefetched all-gather, unless a parameter changed since it was issued
+        (``versions``: the parameters' versions now)."""
+        pending, issued_versions = self._eager.take_prefetched()
+        if pending is not None and issued_versions != versions:
             group_all_gather.complete_all_gather(pending)
             pending = None
         return pending
@@ -441,7 +443,7 @@ class ParamGroup:
                 "set_unshard_in_backward(False) was called on its module: set it back "
                 "to True (False is only for modules whose backward needs no parameters)"
             )
-        pending = self._take_prefetched()
+        pending = self._take_prefetched(self.params.local_versions())
         if pending is None:
             pending = self.start_all_gather()
         self._eager.keep_for_backward(self.finish_all_gather(pending))

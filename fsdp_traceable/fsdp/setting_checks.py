@@ -22,13 +22,13 @@ def check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_fsdp_modules(modules: Any) -> list[nn.Module]:
-    """``modules`` as a list, if it is a list of ``fully_shard``-ed modules (a prefetch
-    setter's argument)."""
+def check_fsdp_modules(modules: Any, fsdp_module_cls: type) -> list[nn.Module]:
+    """``modules`` as a list, if it is a list of ``fsdp_module_cls`` instances (our
+    ``FSDPModule``: a prefetch setter's argument)."""
     if not isinstance(modules, (list, tuple)):
         raise TypeError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
     for module in modules:
-        if not isinstance(module, nn.Module) or "_fsdp_group" not in vars(module):
+        if not isinstance(module, fsdp_module_cls):
             raise ValueError(
                 f"Expects FSDPModule but got {type(module).__name__}: pass modules "
                 "fsdp_traceable.fully_shard was applied to"

@@ -190,13 +190,11 @@ def spmd_parity(mesh: DeviceMesh, dp_rank: int, steps: int = 3) -> dict[str, Any
             loss = (model(DTensor.from_local(local, mesh, (Shard(0), Replicate()))) ** 2).mean()
             loss.backward()
             if step == 0:
-                grads = {n: (layout(p.grad), p.grad.to_local().clone())
-                         for n, p in model.named_parameters()}
+                grads = grads_with_layouts(model)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.full_tensor().item())
-        result[name] = {"losses": losses, "grads": grads, "params": {
-            n: (layout(p), p.to_local().detach().clone()) for n, p in model.named_parameters()}}
+        result[name] = {"losses": losses, "grads": grads, "params": params_with_layouts(model)}
     return result
 
 
@@ -228,6 +226,16 @@ def layout(tensor: DTensor) -> tuple:
     return tuple(tensor.device_mesh.mesh_dim_names), tuple(tensor.placements)
 
 
+def grads_with_layouts(model: nn.Module) -> dict[str, tuple]:
+    """Each parameter's gradient: its layout and a copy of its local shard."""
+    return {n: (layout(p.grad), p.grad.to_local().clone()) for n, p in model.named_parameters()}
+
+
+def params_with_layouts(model: nn.Module) -> dict[str, tuple]:
+    """Each parameter: its layout and a copy of its local shard."""
+    return {n: (layout(p), p.to_local().detach().clone()) for n, p in model.named_parameters()}
+
+
 def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = None,
           backward_context: Callable | None = None, step_of: Callable | None = None
           ) -> dict[str, Any]:
@@ -252,8 +260,7 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
             with backward_context() if backward_context else contextlib.nullcontext():
                 loss.backward()
         if step == 0:
-            grads = {n: (layout(p.grad), p.grad.to_local().clone())
-                     for n, p in model.named_parameters()}
+            grads = grads_with_layouts(model)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -263,8 +270,7 @@ def train(model: TinyLM, dp_rank: int, steps: int, loss_of: Callable | None = No
         "compute_weights": seen,
         "losses": losses,
         "grads": grads,
-        "params": {n: (layout(p), p.to_local().detach().clone())
-                   for n, p in model.named_parameters()},
+        "params": params_with_layouts(model),
         "state_dict": {k: layout(v) for k, v in model.state_dict().items()},
     }
 
