@@ -18,6 +18,9 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
   backward);
 * ``ours-step``: fsdp_traceable, the whole step (forward, loss, backward) as one graph:
   ``fsdp_traceable.compile_step`` (Inductor); the optimizer step runs eagerly;
+* ``ours-step-regions``: ``ours-step`` with ``fsdp_traceable.config.forward_regions``:
+  each block's forward one call of a shared nested compile region (traced and compiled
+  once; no all-gather overlaps the previous block's compute);
 * ``ours-step-saved``: ``ours-step`` with ``compile_step(cache_dir=...)`` (in the cache
   directory): the first process compiles the step ahead of its first call and saves it,
   a restarted one (``--warm``) loads it without compiling;
@@ -58,7 +61,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot", "ours-step",
-           "ours-step-saved", "unsharded-whole", "unsharded-step", "fsdp2-blocks", "unsharded-regions")
+           "ours-step-regions", "ours-step-saved", "unsharded-whole", "unsharded-step", "fsdp2-blocks",
+           "unsharded-regions")
 
 
 def _child(config: str, layers: int, dim: int, steps: int,
@@ -97,6 +101,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
         if config.startswith("ours"):
             shard_transformer(model, fsdp_traceable.fully_shard)
             fsdp_traceable.config.backward_regions = config != "ours-blocks-pasted"
+            fsdp_traceable.config.forward_regions = config == "ours-step-regions"
         elif config.startswith("fsdp2"):
             shard_transformer(model, fsdp2_fully_shard)
         loss_fn = model.loss
@@ -106,7 +111,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
                 TransformerBlock.forward)
         if config.endswith(("-whole", "-regions")):
             loss_fn = torch.compile(model.loss, fullgraph=True)
-        elif config.endswith(("-step", "-step-saved")):
+        elif config.endswith(("-step", "-step-saved", "-step-regions")):
             def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                 loss = model.loss(tokens, targets)
                 loss.backward()

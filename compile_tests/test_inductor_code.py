@@ -26,6 +26,7 @@ from fsdp_traceable.collectives.inductor_options import inductor_options
 from fsdp_traceable.inspect.inductor_code import CollectiveCopies, collective_copies, overlap
 from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.tracing import regions_available
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 from tests.fixtures import kernel_cache_only
 
@@ -198,12 +199,14 @@ def test_default_schedule_waits_right_after_each_all_gather(default_code: tuple[
             ).run(code)
 
 
-@pytest.fixture(scope="module")
-def whole_step_code(run_inductor_cache_dir) -> str:
+def _compile_whole_step(cache_dir, forward_regions: bool) -> str:
     """Inductor's code for the whole step, with ``inductor_options(raise_collectives=False)``."""
     if not dynamo_traces_backward_into_dtensors():
         pytest.skip("this torch's Dynamo cannot trace backward() into DTensor parameters")
-    with kernel_cache_only(run_inductor_cache_dir), fake_process_group(2):
+    if forward_regions and not regions_available():
+        pytest.skip("this torch's nested_compile_region takes no reuse key")
+    with (kernel_cache_only(cache_dir), fake_process_group(2),
+          fsdp_traceable.config.patch(forward_regions=forward_regions)):
         model = make_model()
 
         def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -215,6 +218,16 @@ def whole_step_code(run_inductor_cache_dir) -> str:
         _, codes = run_and_get_code(fsdp_traceable.compile_step(step, options=options), *data())
     (code,) = codes
     return code
+
+
+@pytest.fixture(scope="module")
+def whole_step_code(run_inductor_cache_dir) -> str:
+    return _compile_whole_step(run_inductor_cache_dir, forward_regions=False)
+
+
+@pytest.fixture(scope="module")
+def whole_step_regions_code(run_inductor_cache_dir) -> str:
+    return _compile_whole_step(run_inductor_cache_dir, forward_regions=True)
 
 
 def test_whole_step_waits_for_each_collective_where_its_result_is_needed(
@@ -237,3 +250,25 @@ def test_whole_step_waits_for_each_collective_where_its_result_is_needed(
     block_1_gather, block_1_regather = overlaps[2], overlaps[3]
     assert len(block_1_gather.compute) >= 5 and len(block_1_regather.compute) >= 10
     assert block_1_regather.line > block_1_gather.wait_line
+
+
+def test_whole_step_with_forward_regions_overlaps_each_block_with_the_previous(
+        whole_step_regions_code: str) -> None:
+    # Each block's forward and backward is one call of a compiled region. The region
+    # schedule moves block 1's all-gather before block 0's forward region, block 0's
+    # re-gather before block 1's backward region and block 1's reduce-scatter wait after
+    # block 0's backward region: every all-gather overlaps compute, block 0's re-gather
+    # included (it does not without regions); the last two reduce-scatters have nothing
+    # after them to overlap.
+    code = whole_step_regions_code
+    assert len(re.findall(r"= partitioned_fw_subgraph_0_0\(", code)) == CONFIG.n_layers
+    assert len(re.findall(r"= partitioned_bw_subgraph_0_0\(", code)) == CONFIG.n_layers
+    assert [(o.kind, bool(o.compute)) for o in overlap(code)] == [
+        ("all_gather", True), ("all_gather", True), ("all_gather", True), ("all_gather", True),
+        ("all_gather", True), ("reduce_scatter", True), ("reduce_scatter", False),
+        ("reduce_scatter", False),
+    ]
+    block_1_gather, block_0_regather, block_1_reduce = (overlap(code)[i] for i in (2, 4, 5))
+    assert "partitioned_fw_subgraph_0_0" in block_1_gather.compute
+    assert "partitioned_bw_subgraph_0_0" in block_0_regather.compute
+    assert "partitioned_bw_subgraph_0_0" in block_1_reduce.compute

@@ -21,6 +21,7 @@ from compile_tests.test_fully_shard_compile import BLOCK_WEIGHT_SHAPES
 from fsdp_traceable.models.transformer import Transformer, shard_transformer
 from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from fsdp_traceable.tracing import regions_available
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 
 needs_whole_step = pytest.mark.skipif(
@@ -44,13 +45,15 @@ def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
         if with_llama:  # Hugging Face's LlamaForCausalLM, built on meta
             theirs, ours = by_setting["llama"]["theirs"], by_setting["llama"]["ours"]
             assert ours["frames"] == 1 and ours["graph_breaks"] == {}, f"rank {rank} llama"
+            # Every decoder layer's forward calls the one region traced for the first.
+            assert ours["regions"] == ((2, 1) if regions_available() else (0, 0)), f"rank {rank} llama"
             assert ours["losses"] == theirs["losses"], f"rank {rank} llama"
             for name, param in theirs["params"].items():
                 assert torch.equal(ours["params"][name], param), f"rank {rank} llama {name}"
         for setting in settings:
             theirs, ours = by_setting[setting]["theirs"], by_setting[setting]["ours"]
             what = f"rank {rank} reshard_after_forward={setting}"
-            assert ours["frames"] == 1 and ours["graph_breaks"] == {}, what
+            assert ours["frames"] == 1 and ours["graph_breaks"] == {} and ours["regions"] == (0, 0), what
             assert ours["losses"] == theirs["losses"], what
             for name, (kind, placements, grad) in theirs["grads"].items():
                 assert ours["grads"][name][:2] == (kind, placements), f"{what} {name}"
@@ -119,15 +122,27 @@ def _gathers(gm: torch.fx.GraphModule) -> tuple[int, int]:
 
 
 @needs_whole_step
-@pytest.mark.parametrize("reshard_after_forward, regathered", [(None, N_GROUPS - 1),
-                                                               (True, N_GROUPS),
-                                                               (False, 0)])
+@pytest.mark.parametrize("reshard_after_forward, regathered, forward_regions",
+                         [(None, N_GROUPS - 1, False), (True, N_GROUPS, False),
+                          (False, 0, False), (True, N_GROUPS, True)])
 def test_whole_step_regathers_each_resharded_group_once_in_backward(
-        fake_world: None, reshard_after_forward: bool | None, regathered: int) -> None:
+        fake_world: None, reshard_after_forward: bool | None, regathered: int,
+        forward_regions: bool) -> None:
+    # With forward regions (2 layers: 2 region calls of one region, each way) the
+    # backward still re-gathers: it reads each block's parameters from the re-gather,
+    # not from what the forward region returned.
+    if forward_regions and not regions_available():
+        pytest.skip("this torch's nested_compile_region takes no reuse key")
     capture = _InferenceGraph()
-    counter = _whole_step(reshard_after_forward, capture.backend)
+    with fsdp_traceable.config.patch(forward_regions=forward_regions):
+        counter = _whole_step(reshard_after_forward, capture.backend)
     assert counter.frame_count == 1 and not counters["graph_break"]
     (graph,) = capture.graphs
+    region_calls = [n for n in graph.graph.nodes
+                    if n.target is torch.ops.higher_order.invoke_subgraph]
+    # One forward and one backward call per block, of one region each.
+    assert len(region_calls) == (2 * CONFIG.n_layers if forward_regions else 0)
+    assert len({n.args[0].target for n in region_calls}) == (2 if forward_regions else 0)
     assert _gathers(graph) == (N_GROUPS, regathered)
     assert count_collectives(graph)["reduce_scatter"] == N_GROUPS
     kept_weights = [s for s in _kept_for_backward(graph) if s in BLOCK_WEIGHT_SHAPES]
@@ -136,6 +151,15 @@ def test_whole_step_regathers_each_resharded_group_once_in_backward(
     else:
         # Every block's 7 matrices (q, k, v, o, w1, w2, w3), kept in some layout.
         assert len(kept_weights) >= 7 * CONFIG.n_layers
+
+
+@needs_whole_step
+@pytest.mark.skipif(regions_available(), reason="this torch keys regions")
+def test_forward_regions_name_the_torch_they_need() -> None:
+    step = fsdp_traceable.compile_step(lambda x: x + 1)
+    with fsdp_traceable.config.patch(forward_regions=True):
+        with pytest.raises(RuntimeError, match=r"forward_regions needs a torch .*\(2\.13 or newer\)"):
+            step(torch.ones(2))
 
 
 @pytest.mark.skipif(dynamo_traces_backward_into_dtensors(), reason="this torch can")

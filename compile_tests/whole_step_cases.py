@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_traceable
 from fsdp_traceable.models.transformer import shard_transformer
+from fsdp_traceable.tracing import regions_available
 from tests.fsdp.parity_cases import LIBRARIES, UNEVEN, uneven_transformer
 from tests.fsdp.parity_utils import batch, make_optimizer
 
@@ -51,24 +52,31 @@ def train(rank: int, world_size: int, reshard_after_forward: bool | None,
 def llama(rank: int, world_size: int, backend: str) -> dict[str, Any]:
     """The tiny Hugging Face ``LlamaForCausalLM`` built on meta and sharded per decoder
     layer and at the root (as ``tests/fsdp/parity_cases.llama_meta_init``), per library
-    (:func:`_train`)."""
+    (:func:`_train`); ours with every decoder layer's forward one call of a shared
+    region (``config.forward_regions``)."""
     from tests.fsdp import parity_cases
 
     reference_buffers = parity_cases.llama_buffers()
     return {name: _train(parity_cases.llama_from_meta(fully_shard_fn, reference_buffers),
-                         lambda model, tokens, targets: model(input_ids=tokens, labels=targets).loss,
-                         name == "ours", rank, world_size, backend)
+                         # (no KV cache: a cache object passed to each layer keeps its
+                         # forward out of a region)
+                         lambda model, tokens, targets: model(
+                             input_ids=tokens, labels=targets, use_cache=False).loss,
+                         name == "ours", rank, world_size, backend,
+                         forward_regions=regions_available())
             for name, fully_shard_fn in LIBRARIES}
 
 
 def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_step: bool,
-           rank: int, world_size: int, backend: str) -> dict[str, Any]:
+           rank: int, world_size: int, backend: str, forward_regions: bool = False
+           ) -> dict[str, Any]:
     """``STEPS`` AdamW steps of ``model``, eagerly or with the whole step compiled.
 
     Returns:
         ``losses``, ``grads`` (first step's local gradients and their placements),
         ``params`` (final local shards); compiled, also ``frames`` (graphs compiled over
-        all steps) and ``graph_breaks``.
+        all steps), ``graph_breaks`` and ``regions`` (the first graph's region calls and
+        distinct regions).
     """
     optimizer = make_optimizer("adamw", model.parameters())
 
@@ -85,7 +93,9 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
         step = fsdp_traceable.compile_step(step, backend=counter)
     losses, grads = [], {}
     for index in range(STEPS):
-        losses.append(step(*batch(index, rank, world_size, UNEVEN)).item())
+        with fsdp_traceable.config.patch(forward_regions=forward_regions):
+            loss = step(*batch(index, rank, world_size, UNEVEN))
+        losses.append(loss.item())
         if index == 0:
             grads = {n: (type(p.grad).__name__, p.grad.placements, _local(p.grad).clone())
                      for n, p in model.named_parameters()}
@@ -96,4 +106,7 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
     if counter is not None:
         result["frames"] = counter.frame_count
         result["graph_breaks"] = dict(counters["graph_break"])
+        calls = [n for n in counter.graphs[0].graph.nodes
+                 if n.target is torch.ops.higher_order.invoke_subgraph]
+        result["regions"] = (len(calls), len({n.args[0].target for n in calls}))
     return result

@@ -35,6 +35,8 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .region_schedule import overlap_collectives_across_regions, reroute_region_inputs_to_backward
+
 __all__ = [
     "CONTEXT_FN_WARNING",
     "CONTEXT_FN_WARNING_LOGGER",
@@ -351,7 +353,10 @@ def complete_whole_step_recompute() -> bool:
       are recomputed too (:func:`recompute_views_of_recomputed`), as the min-cut
       partitioner of a joint graph recomputes them.
 
-    The pass is wrapped so both run first.
+    The pass is wrapped so both run first. Where blocks run as forward regions, the
+    backward reads their recomputed parameters from the re-gather first, and after
+    the pass each collective moves across the region call next to it, for overlap
+    (:mod:`fsdp_traceable.region_schedule`).
 
     Applies to: every torch whose AOTAutograd runs
     ``remat_using_tags_for_fwd_loss_bwd_graph`` on inference graphs, looked up in its
@@ -375,8 +380,11 @@ def complete_whole_step_recompute() -> bool:
     @functools.wraps(current)
     def remat_using_tags_for_fwd_loss_bwd_graph(gm: fx.GraphModule) -> fx.GraphModule:
         mark_backward_spans(gm)
+        reroute_region_inputs_to_backward(gm)
         recompute_views_of_recomputed(gm)
-        return current(gm)
+        gm = current(gm)
+        overlap_collectives_across_regions(gm)
+        return gm
 
     remat_using_tags_for_fwd_loss_bwd_graph._fsdp_traceable_completes = True
     module.remat_using_tags_for_fwd_loss_bwd_graph = remat_using_tags_for_fwd_loss_bwd_graph

@@ -16,6 +16,13 @@
     so identical blocks share one traced and compiled backward (see
     :mod:`fsdp_traceable.backward_regions`). ``False`` pastes every block's backward
     node by node, as torch does.
+``forward_regions`` (default ``False``): while Dynamo traces ``backward()`` itself
+    (``compile_step``, or ``torch._dynamo.config.trace_autograd_ops``), run each
+    ``fully_shard`` module's own forward as one call of a shared nested compile region,
+    so identical blocks are traced and compiled once (torch 2.12 on; see
+    :mod:`fsdp_traceable.fsdp.forward_regions`). The trade: Inductor does not move a
+    collective across a region call, so no block's all-gather overlaps the previous
+    block's compute. ``False`` traces every block's forward inline.
 ``max_bucket_bytes``: the largest all-gather output or reduce-scatter input one bucket
     (one ``fully_shard`` group) may plan, in bytes; larger buckets are rejected at
     ``fully_shard`` time and before any allocation in the collectives. The default,
@@ -30,6 +37,7 @@ from torch.utils._config_module import install_config_module
 collectives_path: str = "auto"
 copy_kernels: str = "auto"
 backward_regions: bool = True
+forward_regions: bool = False
 max_bucket_bytes: int = 2**31 - 1
 
 install_config_module(sys.modules[__name__])

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import config
+
 log = logging.getLogger(__name__)
 
 _FORMAT = 1
@@ -157,6 +159,9 @@ def _package_version() -> str:
 def _fingerprint_parts(step: Callable[..., Any], modules: dict[str, nn.Module], args: tuple,
                        kwargs: dict, version: str) -> Iterator[str]:
     yield f"format={_FORMAT} torch={torch.__version__} fsdp_traceable={version}"
+    # The library's switches that shape the traced graph.
+    yield (f"config forward_regions={config.forward_regions} "
+           f"copy_kernels={config.copy_kernels} collectives_path={config.collectives_path}")
     if dist.is_initialized():
         yield f"world={dist.get_world_size()} rank={dist.get_rank()}"
     yield _code_digest(step.__code__)

@@ -7,11 +7,14 @@ eager implementations (c10d work, data pointers, ``out=`` buffers) otherwise.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
+
+from . import config
 
 
 def is_tracing(tensors: Sequence[torch.Tensor] = ()) -> bool:
@@ -23,3 +26,30 @@ def is_tracing(tensors: Sequence[torch.Tensor] = ()) -> bool:
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
         return True
     return any(is_fake(t) or isinstance(t, FunctionalTensor) for t in tensors)
+
+
+def _reuse_by_key() -> bool:
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None or "reuse_hash_fn" not in inspect.signature(region).parameters:
+        return False
+    # torch 2.12 has the key, but its Dynamo fails to flatten a keyed region's module
+    # argument (NotImplementedError in tree_flatten).
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
+# Read once: Dynamo cannot trace inspect.signature where forward_regions_in_use runs.
+_REGIONS_AVAILABLE = _reuse_by_key()
+
+
+def regions_available() -> bool:
+    """Whether this torch's ``nested_compile_region`` reuses a region by key (2.13 on)."""
+    return _REGIONS_AVAILABLE
+
+
+def forward_regions_in_use() -> bool:
+    """Whether ``fully_shard`` forwards run as nested compile regions now: a whole step
+    is being traced (Dynamo traces ``backward()`` itself) with
+    ``config.forward_regions`` on. See [Note: forward regions]."""
+    return (config.forward_regions and torch.compiler.is_compiling()
+            and getattr(torch._dynamo.config, "trace_autograd_ops", False)
+            and regions_available())

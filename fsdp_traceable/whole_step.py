@@ -26,7 +26,9 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from . import _torch_patches
+from . import config as fsdp_config
 from .step_cache import PrecompiledStep, precompile_available
+from .tracing import regions_available
 
 __all__ = ["compile_step", "dynamo_traces_backward_into_dtensors"]
 
@@ -62,6 +64,15 @@ def _cacheable_functions() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True)
 
 
+def _check_forward_regions() -> None:
+    if fsdp_config.forward_regions and not regions_available():
+        raise RuntimeError(
+            f"fsdp_traceable.config.forward_regions needs a torch whose "
+            f"nested_compile_region reuses a region by key (2.13 or newer); torch "
+            f"{torch.__version__} has none: set forward_regions = False"
+        )
+
+
 def compile_step(
     step: Callable[_P, _R],
     *,
@@ -81,7 +92,10 @@ def compile_step(
     Call ``optimizer.step()`` and ``zero_grad()`` outside ``step`` (torch's optimizers
     graph-break at ``step()`` on purpose). Compiled with
     ``fullgraph=True``: a graph break is an error, never a silent split. A restarted
-    process finds the step in AOTAutograd's and Inductor's caches.
+    process finds the step in AOTAutograd's and Inductor's caches. With
+    ``fsdp_traceable.config.forward_regions`` (torch 2.13 on) identical blocks are traced
+    and compiled once: each ``fully_shard`` module's forward runs as one call of a
+    shared nested compile region (see [Note: forward regions]).
 
     Args:
         step: the training step.
@@ -101,7 +115,9 @@ def compile_step(
     Raises:
         TypeError: if ``step`` is not callable.
         RuntimeError: if this torch cannot trace ``backward()`` into DTensor
-            parameters (torch 2.11: use ``torch.compile`` with compiled autograd).
+            parameters (torch 2.11: use ``torch.compile`` with compiled autograd); at a
+            call, if ``config.forward_regions`` is on and this torch cannot key a
+            region (before 2.13).
     """
     if not callable(step):
         raise TypeError(f"compile_step(step=...) takes the training step function, got {step!r}")
@@ -132,6 +148,7 @@ def compile_step(
                              options=step_options or None, dynamic=dynamic)
 
     def tracing() -> contextlib.AbstractContextManager:
+        _check_forward_regions()
         stack = contextlib.ExitStack()
         stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
         stack.enter_context(_cacheable_functions())

@@ -19,7 +19,8 @@ ROOT = Path(fsdp_traceable.__file__).parent
 # Lowest first; a module may import its own layer and the layers below it. Keyed by
 # the first name under the package (a base module's own name, or a subpackage).
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "sizes", "tracing", "fx_ops", "_torch_patches", "profiler_labels", "_source_tree"),
+    ("config", "sizes", "tracing", "fx_ops", "region_schedule", "_torch_patches", "profiler_labels",
+     "_source_tree"),
     ("triton_kernels",),  # the top-level triton_kernels/ folder, imported under the package
     ("collectives",),
     ("backward_regions",),

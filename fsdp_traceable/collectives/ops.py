@@ -10,7 +10,9 @@ no outputs aliasing inputs. Each is defined with ``Library.define`` and a
 * under ``torch.compile`` AOTAutograd decomposes the op and Inductor fuses the whole
   copy into a single kernel per bucket, while Dynamo-level graph dumps still show
   the op by name. (Compiled, a one-dtype ``Shard(0)`` copy-out returns disjoint
-  views of one fresh buffer, so that Inductor writes it with one kernel.)
+  views of one fresh buffer, so that Inductor writes it with one kernel; under
+  forward regions each parameter gets its own buffer, since a region's inputs may
+  not share storage: see [Note: forward regions].)
 
 Per-parameter sizes travel as flat int lists (``sizes_flat`` + ``ndims``) because
 schemas have no nested lists.
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from ..sizes import padded_sharded_size, unflatten_sizes
-from ..tracing import is_tracing
+from ..tracing import forward_regions_in_use, is_tracing
 
 _lib = torch.library.Library("fsdp_traceable", "DEF")
 
@@ -153,7 +155,7 @@ def _all_gather_copy_out(
         # The common bucket (one dtype, all Shard(0)). Eager: every copy in one aten
         # call, a C++ loop, where per-op dispatch dominates small parameters; its
         # outputs are always fresh tensors.
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not forward_regions_in_use():
             stacked_all = _param_major_copy_out(rank_major, split_sizes)
         else:
             stacked_all = torch.split_with_sizes_copy(rank_major, split_sizes, dim=1)

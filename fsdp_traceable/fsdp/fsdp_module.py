@@ -19,6 +19,7 @@ from torch.distributed.fsdp import UnshardHandle
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
+from . import forward_regions
 from .forward_hooks import ForwardHooks
 from .param_group import ParamGroup
 from .setting_checks import (
@@ -396,7 +397,16 @@ class FSDPModule(TorchFSDPModule):
             if hooks.pre:
                 args, kwargs = hooks.run_pre(self, args, kwargs)
             instance_forward = self.__dict__.get(INSTANCE_FORWARD)
-            if instance_forward is None:
+            region_key = None
+            if (instance_forward is None and not hooks.pre and not hooks.post
+                    and scope.unsharded is not None and forward_regions.forward_regions_in_use()
+                    and group.region_eligible):
+                region_key = forward_regions.call_key(self, scope.unsharded, args, kwargs)
+            if region_key is not None:
+                # See [Note: forward regions].
+                group.params.unbind()
+                output = _forward_region(region_key, self, scope.unsharded, args, kwargs)
+            elif instance_forward is None:
                 output = super().forward(*args, **kwargs)
             else:
                 output = instance_forward(*args, **kwargs)
@@ -462,3 +472,18 @@ class _UnshardHandle(UnshardHandle):
         group, self._group = self._group, None
         if group is not None:
             group.wait_for_unshard()
+
+
+def _bound_forward(module: FSDPModule, unsharded: tuple[torch.Tensor, ...], args: tuple,
+                   kwargs: dict) -> Any:
+    """The class forward of ``module`` over its bound ``unsharded`` parameters: the body
+    of the forward region (see [Note: forward regions])."""
+    params = module._fsdp_group.params
+    params.bind(unsharded)
+    output = super(FSDPModule, module).forward(*args, **kwargs)
+    params.unbind()
+    return output
+
+
+_forward_region = (forward_regions.region_of(_bound_forward)
+                   if forward_regions.regions_available() else None)

@@ -15,6 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_patches
 from ..collectives.shard_info import SUPPORTED_DTYPES
+from . import forward_regions
 from .arguments import (
     ShardPlacementResult,
     check_offload_policy,
@@ -157,6 +158,7 @@ def fully_shard(
         m._fsdp_group = group
         m._fsdp_next_groups = []
         register_state(m)  # for torch's pipeline stages: see [Note: pipeline schedules]
+        forward_regions.register(m)
     if len(modules) == 1:
         _link_groups(modules[0])
     return module

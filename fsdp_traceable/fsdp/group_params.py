@@ -81,7 +81,7 @@ class GroupParams:
                           pin_memory, layout)
             for (_, param), info, layout in zip(named_params, self.infos, self.tp_layouts)
         ]
-        self._has_tp_params = any(layout is not None for layout in self.tp_layouts)
+        self.has_tp_params = any(layout is not None for layout in self.tp_layouts)
         # (module, attribute name, parameter index) for every module attribute that
         # holds one of the parameters (a tied weight has several).
         self.bindings: list[Binding] = []
@@ -129,7 +129,7 @@ class GroupParams:
     def bind(self, unsharded: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
         """Makes the modules read ``unsharded`` (by parameter index) for their parameters:
         TP parameters as DTensors on their TP mesh (see [Note: TP parameters])."""
-        if self._has_tp_params:
+        if self.has_tp_params:
             unsharded = [t if layout is None else layout.unsharded(t)
                          for t, layout in zip(unsharded, self.tp_layouts)]
         bind_unsharded(self.bindings, unsharded)

@@ -220,6 +220,12 @@ class ParamGroup:
                 log.debug("prefetch: all-gather of group %r issued early", self.name)
             self._eager.keep_prefetched(self.start_all_gather(), self.params.local_versions())
 
+    @property
+    def region_eligible(self) -> bool:
+        """Whether the group's forward may run as a forward region (see [Note: forward
+        regions]): one module, no tensor-parallel parameters."""
+        return len(self.modules) == 1 and not self.params.has_tp_params
+
     def compiled_on_its_own(self) -> bool:
         """Whether a module of the group was compiled by itself (``module.compile()``, as
         per-block compile does): its graph gathers the parameters, so an eager prefetch

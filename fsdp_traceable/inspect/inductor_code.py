@@ -27,6 +27,8 @@ _KERNEL = re.compile(r"^\s*((?:cpp_fused|triton)_\w+?)(?:\.run)?\(")
 # aten fallbacks and the Triton copy ops (each launches one kernel of its own).
 _EXTERN = re.compile(
     r"^\s*(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.(?:aten|fsdp_traceable_triton)\.\w+(?:\.\w+)?)\(")
+# A call of a compiled nested region (its forward or backward subgraph).
+_REGION = re.compile(r"^\s*(?:buf\d+ = )?(\w*subgraph\w*)\(")
 _ASSIGNED = re.compile(r"^\s*(buf\d+) = ")
 _ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+),.*# alias")
 _REUSE = re.compile(r"^\s*(buf\d+) = .*# reuse")
@@ -66,7 +68,8 @@ def collective_kind(op_name: str) -> str | None:
 class Launch:
     """One statement of ``call``: a kernel launch, an extern call or a collective.
 
-    ``kind`` is ``"kernel"``, ``"extern"``, a collective kind or ``"wait"``; ``buffers``
+    ``kind`` is ``"kernel"``, ``"extern"``, ``"region"`` (a compiled nested region
+    called), a collective kind or ``"wait"``; ``buffers``
     the logical buffers (aliases and inline ``reinterpret_tensor`` views resolved) the
     statement names.
     """
@@ -178,6 +181,8 @@ def _schedule_one(code: str) -> list[Launch]:
             launches.append(Launch("kernel", kernel.group(1), number, buffers))
         elif extern := _EXTERN.match(statement):
             launches.append(Launch("extern", extern.group(1), number, buffers))
+        elif region := _REGION.match(statement):
+            launches.append(Launch("region", region.group(1), number, buffers))
     return launches
 
 
@@ -232,7 +237,7 @@ def overlap(code: str) -> list[CollectiveOverlap]:
         if waited_at is not None:
             entry.wait_line = launches[waited_at].line
             entry.compute = [between.name for between in launches[index + 1 : waited_at]
-                             if between.kind in ("kernel", "extern")]
+                             if between.kind in ("kernel", "extern", "region")]
         results.append(entry)
     return results
 
@@ -243,7 +248,7 @@ def _collectives(code: str) -> Iterator[tuple[list[Launch], int, int | None]]:
     for part in code.split("def call(")[1:]:
         launches = _schedule_one("def call(" + part)
         for index, launch in enumerate(launches):
-            if launch.kind in ("kernel", "extern", "wait"):
+            if launch.kind in ("kernel", "extern", "region", "wait"):
                 continue
             waited_at = next(
                 (i for i, later in enumerate(launches[index + 1 :], index + 1)

@@ -1,0 +1,173 @@
+"""A ``fully_shard`` module's own forward as one call of a nested compile region.
+
+[Note: forward regions]
+In a whole step (``compile_step``: Dynamo traces ``backward()`` itself), L identical
+blocks would be traced by Dynamo, AOTAutograd and Inductor L times. Instead, each
+``FSDPModule.forward`` runs what lies between its all-gather and its release (the
+module's own forward, over its unsharded parameters) through one
+``torch.compiler.nested_compile_region`` function: Dynamo traces it for the first
+block and stamps out the others, AOTAutograd traces its forward and backward once,
+Inductor compiles it once. The collectives stay outside, in the step's graph: each
+group's copy-in, all-gather and copy-out before the call, its reduce-scatter in the
+backward of the all-gather, where Inductor's scheduling sees them next to the other
+blocks'.
+
+The region takes the unsharded parameters as explicit inputs (binding them to the
+module inside), so they must not share storage: under regions the compiled copy-out
+gives each parameter its own buffer (``collectives.ops``). Dynamo's own reuse check
+refuses a region that binds (a side effect), so reuse goes by a key instead
+(``reuse_hash_fn``): two calls share the traced region exactly when their keys are
+equal. The key is a hash of
+
+* the module tree's structure, read from the real modules while Dynamo traces
+  (:func:`structure_key`): every submodule's class and training flag, its plain
+  attributes by value (anything else by identity), its hooks by identity, its
+  parameters' and buffers' layouts;
+* the unsharded parameters' and the call's tensors' shape, stride, dtype, device and
+  ``requires_grad`` (a tensor with symbolic sizes, under dynamic shapes, by its rank:
+  hashing a symbolic size would specialize it), and the call's other arguments by
+  value.
+
+A module whose subtree holds another ``fully_shard`` module (its all-gather would run
+inside the region), whose arguments hold anything but tensors and plain constants, or
+which has inner forward hooks or a forward set on the instance runs its forward
+inline, as without regions. A region's output must be a tensor or a tuple or list of
+tensors, none of them an input (torch's limits); ``compile_step`` turns torch's error
+into one that names the switch, ``fsdp_traceable.config.forward_regions``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..tracing import forward_regions_in_use, regions_available
+
+__all__ = ["call_key", "forward_regions_in_use", "region_of", "regions_available",
+           "register"]
+
+_CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+# The fully_shard modules by id: how the structure key, which Dynamo calls with
+# constants only, finds the module it describes. Weak: it keeps no model alive.
+_fsdp_modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+
+# Structure, and call signature, -> small int, process-wide (a key is only compared
+# within one trace; the dicts grow with the structures and signatures compiled).
+_structure_ids: dict[tuple, int] = {}
+_call_ids: dict[tuple, int] = {}
+
+
+def register(module: nn.Module) -> None:
+    """Records a ``fully_shard`` module for :func:`structure_key`."""
+    _fsdp_modules[id(module)] = module
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, _CONSTANT_TYPES):
+        return value
+    if isinstance(value, (tuple, list, frozenset)):
+        return (type(value).__name__, tuple(_value_key(v) for v in value))
+    return ("id", id(value))
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    # A tensor with symbolic sizes keys by its rank: hashing a symbolic size would
+    # specialize it (a recompile at the next size), and Dynamo offers no per-dim test.
+    if tensor._has_symbolic_sizes_strides:
+        layout: tuple = ("symbolic", tensor.dim())
+    else:
+        layout = (tuple(tensor.shape), tuple(tensor.stride()))
+    return (*layout, tensor.dtype, tensor.device, tensor.requires_grad)
+
+
+def _module_key(module: nn.Module) -> tuple:
+    parts: list[Any] = [type(module), module.training]
+    for name, value in vars(module).items():
+        if name in ("_parameters", "_buffers", "_modules", "training") or name.startswith(
+                ("_fsdp", "__composable_api_state_key")):
+            continue
+        if name.endswith("_hooks") or name == "_non_persistent_buffers_set":
+            parts.append((name, tuple(sorted(map(id, value.values())))
+                          if isinstance(value, dict) else _value_key(value)))
+        else:
+            parts.append((name, _value_key(value)))
+    for name, param in module._parameters.items():
+        parts.append(("param", name, None if param is None else (
+            tuple(param.shape), param.dtype, param.requires_grad)))
+    for name, buffer in module._buffers.items():
+        parts.append(("buffer", name, None if buffer is None else _tensor_key(buffer)))
+    return tuple(parts)
+
+
+@torch._dynamo.assume_constant_result
+def structure_key(module_id: int) -> int | None:
+    """A small int naming the structure of the module tree under the registered
+    ``fully_shard`` module ``module_id``, or ``None`` when its forward must not run
+    as a region (its subtree holds another ``fully_shard`` module). Runs in Python
+    while Dynamo traces: it reads the real modules."""
+    module = _fsdp_modules[module_id]
+    parts = []
+    for name, sub in module.named_modules():
+        if sub is not module and _fsdp_modules.get(id(sub)) is sub:
+            return None
+        parts.append((name, _module_key(sub)))
+    return _structure_ids.setdefault(tuple(parts), len(_structure_ids))
+
+
+def _argument_key(value: Any) -> Any:
+    """A constant describing ``value`` (an argument of the forward), or ``None`` when it
+    holds anything but tensors, plain constants and tuples, lists and dicts of them."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value)
+    if isinstance(value, _CONSTANT_TYPES):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        items = [_argument_key(item) for item in value]
+        return None if None in items else (type(value).__name__, tuple(items))
+    if isinstance(value, dict):
+        items = [(key, _argument_key(item)) for key, item in value.items()]
+        return None if any(item is None for _, item in items) else ("dict", tuple(items))
+    return None
+
+
+@torch._dynamo.assume_constant_result
+def _key_id(signature: tuple) -> int:
+    return _call_ids.setdefault(signature, len(_call_ids))
+
+
+def call_key(module: nn.Module, unsharded: tuple[torch.Tensor, ...], args: tuple,
+             kwargs: dict) -> int | None:
+    """The reuse key of one forward call (traced by Dynamo to a constant), or ``None``
+    when it cannot run as a region."""
+    structure = structure_key(id(module))
+    if structure is None:
+        return None
+    arguments = _argument_key((args, kwargs))
+    if arguments is None:
+        return None
+    key = _key_id((structure, tuple(_tensor_key(t) for t in unsharded), arguments))
+    # ``+ 0``: a fresh constant. Dynamo gives the call's result a source it cannot guard
+    # on, and the region's argument checks would try to.
+    return key + 0
+
+
+def _key_of(key: int, *_: Any) -> int:
+    return key
+
+
+def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict], Any]
+              ) -> Callable[..., Any]:
+    """``body(module, unsharded, args, kwargs)`` (which binds ``unsharded``, runs the
+    module's forward and unbinds) as the shared region, called as
+    ``region(key, module, unsharded, args, kwargs)``: calls with equal ``key`` share
+    one trace. The region's arguments may only be tensors, constants and modules."""
+    def run_bound(key: int, module: nn.Module, unsharded: tuple[torch.Tensor, ...],
+                  args: tuple, kwargs: dict) -> Any:
+        return body(module, unsharded, args, kwargs)
+
+    return torch.compiler.nested_compile_region(run_bound, reuse_hash_fn=_key_of)

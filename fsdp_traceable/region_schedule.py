@@ -1,0 +1,176 @@
+"""Two passes over a whole step whose blocks run as forward regions (see [Note: forward
+regions] in ``fsdp/forward_regions.py``), run on AOTAutograd's forward-loss-backward
+graph around torch's recompute pass (``_torch_patches.complete_whole_step_recompute``).
+
+* :func:`reroute_region_inputs_to_backward` (before the recompute pass): backward
+  reads a resharded group's parameters from its re-gather, not from what the forward
+  region returned.
+* :func:`overlap_collectives_across_regions` (after it): each collective is issued
+  before the region call that precedes it and each reduce-scatter waited for after the
+  region call that follows it, so a block's all-gather runs during the previous
+  block's compute. Inductor keeps a collective where the graph puts it, and its
+  scheduling passes do not move one across a region call.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .fx_ops import is_collective, op_name
+
+__all__ = ["overlap_collectives_across_regions", "reroute_region_inputs_to_backward"]
+
+
+def _is_region_call(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+
+
+def _view_chain(output: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The placeholder ``output`` is, or a chain of view ops applied to, in a region's
+    graph: ``(placeholder, views from it to output)``; ``None`` for anything else."""
+    chain: list[fx.Node] = []
+    node = output
+    while node.op == "call_function":
+        if not getattr(node.target, "is_view", False) or not node.args:
+            return None
+        base, *rest = node.args
+        if not isinstance(base, fx.Node) or any(
+                isinstance(a, fx.Node) for a in (*rest, *node.kwargs.values())):
+            return None
+        chain.append(node)
+        node = base
+    return (node, chain[::-1]) if node.op == "placeholder" else None
+
+
+def reroute_region_inputs_to_backward(gm: fx.GraphModule) -> int:
+    """Backward reads a forward region's recomputed inputs from the inputs themselves;
+    returns how many backward reads it rerouted.
+
+    A forward region (``invoke_subgraph``) returns the inputs its backward needs as
+    outputs: a must-recompute input (a resharded group's unsharded parameter) as
+    itself or as a view (``t(weight)``). The backward then reads that output, which
+    keeps the forward's unsharded parameter alive to the backward and leaves torch's
+    pass nothing to recompute. Each such read is rerouted to the input, through the
+    same views applied outside the region (which ``recompute_views_of_recomputed``
+    then tags), as a graph without regions reads them.
+    """
+    from torch._functorch.partitioners import must_recompute
+
+    rerouted = 0
+    for node in list(gm.graph.nodes):
+        if not _is_region_call(node) or node.meta.get("autograd_backward"):
+            continue
+        region = getattr(gm, node.args[0].target)
+        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+        outputs = next(n for n in region.graph.nodes if n.op == "output").args[0]
+        operands = node.args[2:]
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                continue
+            chain = _view_chain(outputs[user.args[1]])
+            backward_users = [u for u in user.users if u.meta.get("autograd_backward")]
+            if chain is None or not backward_users:
+                continue
+            placeholder, views = chain
+            value = operands[placeholders.index(placeholder)]
+            if not isinstance(value, fx.Node) or not must_recompute(value):
+                continue
+            with gm.graph.inserting_before(node):
+                for view in views:
+                    value = gm.graph.call_function(view.target, (value, *view.args[1:]),
+                                                   dict(view.kwargs))
+                    value.meta["val"] = view.meta.get("val")
+            for backward_user in backward_users:
+                backward_user.replace_input_with(user, value)
+                rerouted += 1
+    if rerouted:
+        gm.graph.lint()
+        gm.recompile()
+    return rerouted
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return is_collective(node) and op_name(node) == "wait_tensor"
+
+
+def _ancestors_after(node: fx.Node, barrier: fx.Node, order: dict[fx.Node, int]
+                     ) -> list[fx.Node] | None:
+    """``node`` and what it reads that sits after ``barrier``, in graph order; ``None``
+    if it depends on ``barrier``."""
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current is barrier:
+            return None
+        if current in found or order[current] < order[barrier]:
+            continue
+        found.add(current)
+        stack.extend(current.all_input_nodes)
+    return sorted(found, key=order.__getitem__)
+
+
+def _descendants_before(node: fx.Node, barrier: fx.Node, order: dict[fx.Node, int]
+                        ) -> list[fx.Node] | None:
+    """``node`` and what reads it (transitively) before ``barrier``, in graph order;
+    ``None`` if ``barrier`` reads it."""
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current is barrier:
+            return None
+        if current in found or order[current] > order[barrier] or current.op == "output":
+            continue
+        found.add(current)
+        stack.extend(current.users)
+    return sorted(found, key=order.__getitem__)
+
+
+def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
+    """Moves collectives across the region calls next to them; returns how many moved.
+
+    Each collective (with the copy-in that feeds it) moves before the region call
+    that precedes it when it does not depend on that call; each reduce-scatter's wait
+    (with what reads it) moves after the region call that follows it when that call
+    does not read it. A collective moves across one region call at most, of its own
+    pass (forward or backward): an all-gather raised further would keep its unsharded
+    parameters alive longer.
+    """
+    moved = 0
+    starts = [n for n in gm.graph.nodes if is_collective(n) and not _is_wait(n)]
+    for start in starts:
+        nodes = list(gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        backward = bool(start.meta.get("autograd_backward"))
+        before = [n for n in nodes[: order[start]]
+                  if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
+        if before:
+            chain = _ancestors_after(start, before[-1], order)
+            if chain is not None:
+                for node in chain:
+                    before[-1].prepend(node)
+                moved += 1
+        if op_name(start) != "reduce_scatter_tensor":
+            continue
+        nodes = list(gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        waits = [u for u in start.users if _is_wait(u)]
+        after = [n for n in nodes[order[start]:]
+                 if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
+        if len(waits) != 1 or not after:
+            continue
+        chain = _descendants_before(waits[0], after[0], order)
+        if chain is not None:
+            anchor = after[0]
+            for node in chain:
+                anchor.append(node)
+                anchor = node
+            moved += 1
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
