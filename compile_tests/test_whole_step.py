@@ -121,6 +121,10 @@ def _gathers(gm: torch.fx.GraphModule) -> tuple[int, int]:
     return len(nodes) - backward, backward
 
 
+# Dynamo's timings of a region traced, and of one reused (stamped out) by key.
+_REGION_TRACES = ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out")
+
+
 @needs_whole_step
 @pytest.mark.parametrize("reshard_after_forward, regathered, forward_regions",
                          [(None, N_GROUPS - 1, False), (True, N_GROUPS, False),
@@ -134,8 +138,15 @@ def test_whole_step_regathers_each_resharded_group_once_in_backward(
     if forward_regions and not regions_available():
         pytest.skip("this torch's nested_compile_region takes no reuse key")
     capture = _InferenceGraph()
+    timings = torch._dynamo.utils.compilation_time_metrics
+    traced_before = {name: len(timings.get(name, [])) for name in _REGION_TRACES}
     with fsdp_traceable.config.patch(forward_regions=forward_regions):
         counter = _whole_step(reshard_after_forward, capture.backend)
+    traced = {name: len(timings.get(name, [])) - traced_before[name] for name in _REGION_TRACES}
+    # Dynamo traced the region for the first block and stamped it out for the others.
+    assert traced == ({"invoke_subgraph_trace": 1,
+                       "invoke_subgraph_reuse_stamp_out": CONFIG.n_layers - 1}
+                      if forward_regions else dict.fromkeys(_REGION_TRACES, 0))
     assert counter.frame_count == 1 and not counters["graph_break"]
     (graph,) = capture.graphs
     region_calls = [n for n in graph.graph.nodes

@@ -18,6 +18,8 @@ Where they are applied (unchanged from before they moved here):
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
 * :func:`complete_whole_step_recompute`: by :func:`fsdp_traceable.compile_step`.
+* :func:`link_stamped_out_regions`: when the forward region is made
+  (``fsdp/forward_regions.region_of``).
 
 No other module of the package may assign to, wrap or filter anything of torch's.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -388,4 +391,102 @@ def complete_whole_step_recompute() -> bool:
 
     remat_using_tags_for_fwd_loss_bwd_graph._fsdp_traceable_completes = True
     module.remat_using_tags_for_fwd_loss_bwd_graph = remat_using_tags_for_fwd_loss_bwd_graph
+    return True
+
+
+class _Linked(torch.autograd.Function):
+    """``output`` unchanged (a view), with autograd history reaching ``inputs``: only
+    what a traced ``backward()`` walks to find what to differentiate (the graph's
+    gradients are AOTAutograd's)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
+
+
+def _reached_inputs(outputs: tuple, inputs: list) -> list[list[int]]:
+    """Per output, the indices of ``inputs`` its autograd history reaches (it stops at
+    them: a region's inputs cut it off from everything before)."""
+    targets: dict[Any, list[int]] = {}
+    for index, value in enumerate(inputs):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            targets.setdefault(value.grad_fn if value.grad_fn is not None else id(value),
+                               []).append(index)
+    reached_per_output = []
+    for output in outputs:
+        reached: set[int] = set()
+        seen: set[Any] = set()
+        stack = [output.grad_fn] if isinstance(output, torch.Tensor) and output.grad_fn else []
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            key = id(fn.variable) if hasattr(fn, "variable") else fn
+            if key in targets:
+                reached.update(targets[key])
+                continue
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        reached_per_output.append(sorted(reached))
+    return reached_per_output
+
+
+def link_stamped_out_regions() -> bool:
+    """A region call Dynamo reuses by key gets outputs autograd connects to its inputs.
+
+    When Dynamo reuses a traced ``nested_compile_region`` for a later call ("stamps it
+    out"), it makes the call's fake outputs with ``torch.empty_strided``: tensors that
+    require grad but have no autograd history. A ``backward()`` traced in the same graph
+    (``trace_autograd_ops``) finds what to differentiate by walking that history, so the
+    inputs of every reused call (every block's parameters but the first's) get no
+    gradient. Each reused output is linked to the inputs that the same output of the
+    traced call reaches (:class:`_Linked`); the graph itself is unchanged.
+
+    Applies to: every torch with ``torch._dynamo.variables.invoke_subgraph.stamp_out_subgraph``
+    (2.12 to 2.14).
+
+    Returns:
+        Whether the function is wrapped (``False`` where torch has none).
+    """
+    try:
+        from torch._dynamo.variables import invoke_subgraph as dynamo_invoke_subgraph
+    except ImportError:
+        return False
+    current = getattr(dynamo_invoke_subgraph, "stamp_out_subgraph", None)
+    if current is None:
+        return False
+    if getattr(current, "_fsdp_traceable_links", False):
+        return True
+
+    def fakes(node: fx.Node) -> list:
+        return [a.meta.get("example_value") if isinstance(a, fx.Node) else a
+                for a in node.args[2:]]
+
+    @functools.wraps(current)
+    def stamp_out_subgraph(tx: Any, fingerprint: Any, cached: Any) -> Any:
+        result = current(tx, fingerprint, cached)
+        calls = [n for n in tx.output.current_tracer.graph.nodes
+                 if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph
+                 and n.args[0].target == cached.body_name]
+        traced, stamped = calls[0], calls[-1]
+        reached = _reached_inputs(traced.meta["example_value"], fakes(traced))
+        inputs = fakes(stamped)
+        outputs = list(stamped.meta["example_value"])
+        with tx.fake_mode, torch.enable_grad():
+            for index, output in enumerate(outputs):
+                if output.requires_grad and reached[index]:
+                    outputs[index] = _Linked.apply(output, *(inputs[i] for i in reached[index]))
+        stamped.meta["example_value"] = tuple(outputs)
+        for user in stamped.users:
+            if user.target is operator.getitem:
+                user.meta["example_value"] = outputs[user.args[1]]
+        return result
+
+    stamp_out_subgraph._fsdp_traceable_links = True
+    dynamo_invoke_subgraph.stamp_out_subgraph = stamp_out_subgraph
     return True

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import _torch_patches
 from ..tracing import forward_regions_in_use, regions_available
 
 __all__ = ["call_key", "forward_regions_in_use", "region_of", "regions_available",
@@ -68,10 +69,17 @@ def register(module: nn.Module) -> None:
 
 
 def _value_key(value: Any) -> Any:
+    """``value`` by value where it is a plain constant or a container of them (a
+    dict by its values: torch's hook dicts are keyed by per-module handle ids), else by
+    identity (a function shared by every block is one object)."""
     if isinstance(value, _CONSTANT_TYPES):
         return value
-    if isinstance(value, (tuple, list, frozenset)):
+    if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_value_key(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted((_value_key(v) for v in value), key=repr)))
+    if isinstance(value, dict):
+        return ("dict", tuple(_value_key(v) for v in value.values()))
     return ("id", id(value))
 
 
@@ -91,11 +99,7 @@ def _module_key(module: nn.Module) -> tuple:
         if name in ("_parameters", "_buffers", "_modules", "training") or name.startswith(
                 ("_fsdp", "__composable_api_state_key")):
             continue
-        if name.endswith("_hooks") or name == "_non_persistent_buffers_set":
-            parts.append((name, tuple(sorted(map(id, value.values())))
-                          if isinstance(value, dict) else _value_key(value)))
-        else:
-            parts.append((name, _value_key(value)))
+        parts.append((name, _value_key(value)))
     for name, param in module._parameters.items():
         parts.append(("param", name, None if param is None else (
             tuple(param.shape), param.dtype, param.requires_grad)))
@@ -166,6 +170,9 @@ def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict],
     module's forward and unbinds) as the shared region, called as
     ``region(key, module, unsharded, args, kwargs)``: calls with equal ``key`` share
     one trace. The region's arguments may only be tensors, constants and modules."""
+    # See [Note: torch patches]: reused calls' outputs connected to their inputs.
+    _torch_patches.link_stamped_out_regions()
+
     def run_bound(key: int, module: nn.Module, unsharded: tuple[torch.Tensor, ...],
                   args: tuple, kwargs: dict) -> Any:
         return body(module, unsharded, args, kwargs)
