@@ -303,3 +303,47 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups() -> None:
                 torch.compile(step, backend="aot_eager", fullgraph=True)(torch.zeros(2, 8, dtype=torch.long))
         finally:
             module.remat_using_tags_for_fwd_loss_bwd_graph = patched
+
+
+# -- A region call Dynamo reuses by key has outputs without autograd history ---------
+
+def _block_grads(linked: bool, monkeypatch) -> list[bool]:
+    """Per block of a 2-block ``fully_shard`` transformer whose whole step runs its blocks
+    as forward regions (the second call reused by key): whether its parameters got
+    gradients, with or without the link patch."""
+    from torch._dynamo.variables import invoke_subgraph as dynamo_invoke_subgraph
+
+    assert _torch_patches.link_stamped_out_regions()
+    if not linked:
+        patched = dynamo_invoke_subgraph.stamp_out_subgraph
+        monkeypatch.setattr(dynamo_invoke_subgraph, "stamp_out_subgraph", patched.__wrapped__)
+    with fake_process_group(2), fsdp_traceable.config.patch(forward_regions=True):
+        torch.manual_seed(0)
+        model = shard_transformer(Transformer(TransformerConfig(n_layers=2, dim=16)),
+                                  fsdp_traceable.fully_shard)
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            loss = model.loss(tokens, tokens)
+            loss.backward()
+            return loss.detach()
+
+        torch._dynamo.reset()
+        fsdp_traceable.compile_step(step, backend="aot_eager")(torch.zeros(2, 8, dtype=torch.long))
+        return [all(p.grad is not None for p in block.parameters()) for block in model.layers]
+
+
+needs_keyed_regions = pytest.mark.skipif(
+    not fsdp_traceable.tracing.regions_available() or not dynamo_traces_backward_into_dtensors(),
+    reason="this torch's nested_compile_region takes no reuse key")
+
+
+@needs_keyed_regions
+def test_torch_still_leaves_a_reused_region_call_without_autograd_history(monkeypatch) -> None:
+    # The reused call's block gets no gradient (reached from the loss through nothing).
+    assert _block_grads(linked=False, monkeypatch=monkeypatch)[1] is False
+
+
+@needs_keyed_regions
+def test_a_reused_region_call_passes_gradients_to_its_inputs(monkeypatch) -> None:
+    # (Their values: compile_tests/test_whole_step.py, bit for bit FSDP2 eager.)
+    assert _block_grads(linked=True, monkeypatch=monkeypatch) == [True, True]
