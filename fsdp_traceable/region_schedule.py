@@ -96,37 +96,22 @@ def _is_wait(node: fx.Node) -> bool:
     return is_collective(node) and op_name(node) == "wait_tensor"
 
 
-def _ancestors_after(node: fx.Node, barrier: fx.Node, order: dict[fx.Node, int]
-                     ) -> list[fx.Node] | None:
-    """``node`` and what it reads that sits after ``barrier``, in graph order; ``None``
-    if it depends on ``barrier``."""
+def _reach(node: fx.Node, barrier: fx.Node, order: dict[fx.Node, int], *, upstream: bool
+           ) -> list[fx.Node] | None:
+    """``node`` and what it reads (``upstream``) or what reads it, transitively, on its
+    side of ``barrier``, in graph order; ``None`` if that reaches ``barrier``."""
     found: set[fx.Node] = set()
     stack = [node]
     while stack:
         current = stack.pop()
         if current is barrier:
             return None
-        if current in found or order[current] < order[barrier]:
+        beyond = (order[current] < order[barrier] if upstream
+                  else order[current] > order[barrier] or current.op == "output")
+        if current in found or beyond:
             continue
         found.add(current)
-        stack.extend(current.all_input_nodes)
-    return sorted(found, key=order.__getitem__)
-
-
-def _descendants_before(node: fx.Node, barrier: fx.Node, order: dict[fx.Node, int]
-                        ) -> list[fx.Node] | None:
-    """``node`` and what reads it (transitively) before ``barrier``, in graph order;
-    ``None`` if ``barrier`` reads it."""
-    found: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current is barrier:
-            return None
-        if current in found or order[current] > order[barrier] or current.op == "output":
-            continue
-        found.add(current)
-        stack.extend(current.users)
+        stack.extend(current.all_input_nodes if upstream else current.users)
     return sorted(found, key=order.__getitem__)
 
 
@@ -149,7 +134,7 @@ def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
         before = [n for n in nodes[: order[start]]
                   if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
         if before:
-            chain = _ancestors_after(start, before[-1], order)
+            chain = _reach(start, before[-1], order, upstream=True)
             if chain is not None:
                 for node in chain:
                     before[-1].prepend(node)
@@ -163,7 +148,7 @@ def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
                  if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
         if len(waits) != 1 or not after:
             continue
-        chain = _descendants_before(waits[0], after[0], order)
+        chain = _reach(waits[0], after[0], order, upstream=False)
         if chain is not None:
             anchor = after[0]
             for node in chain:
