@@ -32,8 +32,8 @@ A module whose subtree holds another ``fully_shard`` module (its all-gather woul
 inside the region), whose arguments hold anything but tensors and plain constants, or
 which has inner forward hooks or a forward set on the instance runs its forward
 inline, as without regions. A region's output must be a tensor or a tuple or list of
-tensors, none of them an input (torch's limits); ``compile_step`` turns torch's error
-into one that names the switch, ``fsdp_traceable.config.forward_regions``.
+tensors, none of them an input (torch's limits: the compile fails with torch's error
+otherwise, which is why ``fsdp_traceable.config.forward_regions`` is off by default).
 """
 
 from __future__ import annotations
