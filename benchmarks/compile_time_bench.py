@@ -20,7 +20,7 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
   ``fsdp_traceable.compile_step`` (Inductor); the optimizer step runs eagerly;
 * ``ours-step-regions``: ``ours-step`` with ``fsdp_traceable.config.forward_regions``:
   each block's forward one call of a shared nested compile region (traced and compiled
-  once; no all-gather overlaps the previous block's compute);
+  once; the collectives moved across the region calls for overlap);
 * ``ours-step-saved``: ``ours-step`` with ``compile_step(cache_dir=...)`` (in the cache
   directory): the first process compiles the step ahead of its first call and saves it,
   a restarted one (``--warm``) loads it without compiling;

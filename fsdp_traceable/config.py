@@ -19,10 +19,12 @@
 ``forward_regions`` (default ``False``): while Dynamo traces ``backward()`` itself
     (``compile_step``, or ``torch._dynamo.config.trace_autograd_ops``), run each
     ``fully_shard`` module's own forward as one call of a shared nested compile region,
-    so identical blocks are traced and compiled once (torch 2.12 on; see
-    :mod:`fsdp_traceable.fsdp.forward_regions`). The trade: Inductor does not move a
-    collective across a region call, so no block's all-gather overlaps the previous
-    block's compute. ``False`` traces every block's forward inline.
+    so identical blocks are traced and compiled once (torch 2.13 on; see
+    :mod:`fsdp_traceable.fsdp.forward_regions`). Each collective is moved across the
+    neighbouring region call, so a block's all-gather still overlaps the previous
+    block's compute (:mod:`fsdp_traceable.region_schedule`). Off by default: a forward
+    whose output torch's regions reject fails to compile. ``False`` traces every
+    block's forward inline.
 ``max_bucket_bytes``: the largest all-gather output or reduce-scatter input one bucket
     (one ``fully_shard`` group) may plan, in bytes; larger buckets are rejected at
     ``fully_shard`` time and before any allocation in the collectives. The default,

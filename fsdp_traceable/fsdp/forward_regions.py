@@ -17,7 +17,7 @@ module inside), so they must not share storage: under regions the compiled copy-
 gives each parameter its own buffer (``collectives.ops``). Dynamo's own reuse check
 refuses a region that binds (a side effect), so reuse goes by a key instead
 (``reuse_hash_fn``): two calls share the traced region exactly when their keys are
-equal. The key is a hash of
+equal. The key is a small int, one per distinct signature of
 
 * the module tree's structure, read from the real modules while Dynamo traces
   (:func:`structure_key`): every submodule's class and training flag, its plain

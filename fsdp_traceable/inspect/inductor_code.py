@@ -68,10 +68,9 @@ def collective_kind(op_name: str) -> str | None:
 class Launch:
     """One statement of ``call``: a kernel launch, an extern call or a collective.
 
-    ``kind`` is ``"kernel"``, ``"extern"``, ``"region"`` (a compiled nested region
-    called), a collective kind or ``"wait"``; ``buffers``
-    the logical buffers (aliases and inline ``reinterpret_tensor`` views resolved) the
-    statement names.
+    ``kind`` is ``"kernel"``, ``"extern"``, ``"region"`` (a call of a compiled nested
+    region), a collective kind or ``"wait"``; ``buffers`` the logical buffers (aliases
+    and inline ``reinterpret_tensor`` views resolved) the statement names.
     """
 
     kind: str
