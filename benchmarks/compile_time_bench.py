@@ -109,9 +109,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
             # On the class: one region function shared by every block (this process only).
             TransformerBlock.forward = torch.compiler.nested_compile_region(
                 TransformerBlock.forward)
-        if config.endswith(("-whole", "-regions")):
-            loss_fn = torch.compile(model.loss, fullgraph=True)
-        elif config.endswith(("-step", "-step-saved", "-step-regions")):
+        if "-step" in config:
             def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                 loss = model.loss(tokens, targets)
                 loss.backward()
@@ -121,6 +119,8 @@ def _child(config: str, layers: int, dim: int, steps: int,
             if config.endswith("-saved"):
                 cache_dir = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "steps")
             loss_fn = fsdp_traceable.compile_step(forward_backward, cache_dir=cache_dir)
+        elif config.endswith(("-whole", "-regions")):
+            loss_fn = torch.compile(model.loss, fullgraph=True)
         else:
             for block in model.layers:
                 block.compile(fullgraph=config.startswith("ours"))
@@ -165,6 +165,10 @@ def _child(config: str, layers: int, dim: int, steps: int,
         "frames": sorted(set(f.name for f in record.frames)),
         "unique_graphs": counters["stats"].get("unique_graphs", 0),
         "graph_breaks": record.graph_breaks.count,
+        # Dynamo's traces and stamped-out copies of nested compile regions.
+        "region_traces": {name: len(torch._dynamo.utils.compilation_time_metrics.get(name, []))
+                          for name in ("invoke_subgraph_trace",
+                                       "invoke_subgraph_reuse_stamp_out")},
         "recompiles": [f"{f.name}: {f.recompile_reason}" for f in record.recompiles],
         "compiled_autograd_captures": record.compiled_autograd_captures,
         "inductor_cache": {k: v for k, v in counters["inductor"].items()
