@@ -154,6 +154,12 @@ def _child(config: str, layers: int, dim: int, steps: int,
             to_first_step_end = time.perf_counter() - start
             step()  # warm-up of lazy state
             steady = statistics.median(step() for _ in range(steps))
+        # Dynamo's traces and stamped-out copies of nested compile regions (read here:
+        # leaving the fake group resets Dynamo, which clears its timings).
+        timings = torch._dynamo.utils.compilation_time_metrics
+        region_traces = {name: len(timings.get(name, []))
+                         for name in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out")}
+        compile_phases = _compile_phases(timings)
     return {
         "first_step_s": first,
         "first_forward_s": forward_s[0],
@@ -165,10 +171,8 @@ def _child(config: str, layers: int, dim: int, steps: int,
         "frames": sorted(set(f.name for f in record.frames)),
         "unique_graphs": counters["stats"].get("unique_graphs", 0),
         "graph_breaks": record.graph_breaks.count,
-        # Dynamo's traces and stamped-out copies of nested compile regions.
-        "region_traces": {name: len(torch._dynamo.utils.compilation_time_metrics.get(name, []))
-                          for name in ("invoke_subgraph_trace",
-                                       "invoke_subgraph_reuse_stamp_out")},
+        "region_traces": region_traces,
+        "compile_phases_s": compile_phases,
         "recompiles": [f"{f.name}: {f.recompile_reason}" for f in record.recompiles],
         "compiled_autograd_captures": record.compiled_autograd_captures,
         "inductor_cache": {k: v for k, v in counters["inductor"].items()
@@ -176,6 +180,20 @@ def _child(config: str, layers: int, dim: int, steps: int,
         "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
                                if "cache" in k or "hit" in k or "miss" in k},
     }
+
+
+def _compile_phases(timings: dict[str, list[float]]) -> dict[str, float]:
+    """Seconds in Dynamo (tracing, guards: every frame's compile less its backend),
+    AOTAutograd (the backend less Inductor) and Inductor (every graph it compiled,
+    compiled autograd's and lazily compiled backwards included), from Dynamo's timings."""
+    def total(key: str) -> float:
+        return sum(timings.get(key, []))
+
+    backend = total("OutputGraph.call_user_compiler")
+    inductor = total("compile_fx_inner")
+    return {"dynamo": round(total("_compile.compile_inner") - backend, 2),
+            "aot_autograd": round(max(backend - inductor, 0.0), 2),
+            "inductor": round(inductor, 2)}
 
 
 def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
