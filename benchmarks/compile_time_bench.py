@@ -37,6 +37,9 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 ``--cache-custom-autograd`` and ``--force-backward-lowering`` set the AOTAutograd cache
 options that decide whether a forward's cache entry is written (see their help).
 
+Each result records the frames compiled, Dynamo's region traces and stamped-out copies,
+and the seconds spent in Dynamo, AOTAutograd and Inductor (``compile_phases_s``).
+
 Prints a table and writes JSON (default ``benchmarks/out/compile_time_bench.json``; with
 ``--publish``, ``benchmarks/results/compile_time_bench.json``)
 and, with matplotlib installed (``pip install -e '.[bench]'``), a plot of the first step
