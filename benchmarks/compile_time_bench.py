@@ -68,6 +68,17 @@ CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot",
            "unsharded-regions")
 
 
+def _compile_mode(config: str) -> str:
+    """What ``config`` compiles: ``"step"`` (forward, loss and backward as one graph,
+    ``compile_step``), ``"whole"`` (the model's loss, backward separately) or
+    ``"blocks"`` (each block)."""
+    if "-step" in config:
+        return "step"
+    if config.endswith(("-whole", "-regions")):
+        return "whole"
+    return "blocks"
+
+
 def _child(config: str, layers: int, dim: int, steps: int,
            force_backward_lowering: bool = False) -> dict:
     """Runs ``config`` in this (fresh) process; returns its figures."""
@@ -112,7 +123,8 @@ def _child(config: str, layers: int, dim: int, steps: int,
             # On the class: one region function shared by every block (this process only).
             TransformerBlock.forward = torch.compiler.nested_compile_region(
                 TransformerBlock.forward)
-        if "-step" in config:
+        mode = _compile_mode(config)
+        if mode == "step":
             def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                 loss = model.loss(tokens, targets)
                 loss.backward()
@@ -122,7 +134,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
             if config.endswith("-saved"):
                 cache_dir = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "steps")
             loss_fn = fsdp_traceable.compile_step(forward_backward, cache_dir=cache_dir)
-        elif config.endswith(("-whole", "-regions")):
+        elif mode == "whole":
             loss_fn = torch.compile(model.loss, fullgraph=True)
         else:
             for block in model.layers:
@@ -145,7 +157,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
             t0 = time.perf_counter()
             loss = loss_fn(tokens, torch.roll(tokens, 1, dims=1))
             forward_s.append(time.perf_counter() - t0)
-            if "-step" not in config:  # (a whole step ran backward already)
+            if mode != "step":  # (a whole step ran backward already)
                 with backward_context():
                     loss.backward()
             optimizer.step()

@@ -39,6 +39,14 @@ def test_ratios_are_against_unsharded_at_the_same_depth_and_growth_from_the_smal
     assert "unsharded-regions" not in ratios  # a failed configuration has no figures
 
 
+def test_every_step_configuration_compiles_the_whole_step(bench):
+    modes = {config: bench._compile_mode(config) for config in bench.CONFIGS}
+    assert {c for c, mode in modes.items() if mode == "step"} == {
+        "ours-step", "ours-step-regions", "ours-step-saved", "unsharded-step"}
+    assert {c for c, mode in modes.items() if mode == "whole"} == {
+        "ours-whole", "unsharded-whole", "unsharded-regions"}
+
+
 def test_error_summary_keeps_the_exception_and_dynamos_explanation(bench):
     stderr = "\n".join([
         "Traceback (most recent call last):",
