@@ -210,3 +210,89 @@ def test_whole_step_follows_changing_shapes_after_another_model(fake_world: None
             model.zero_grad()
         frames.append(counter.frame_count)
     assert frames == [3, 1] and not counters["graph_break"]
+
+
+class _DictBlock(torch.nn.Module):
+    """Returns what torch's regions cannot: a dict holding a ``None`` and its own input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"hidden": torch.tanh(self.linear(x)), "aux": None, "residual": x, "layer": 0}
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)  # so that both blocks' inputs require grad
+        self.blocks = torch.nn.ModuleList([_DictBlock(), _DictBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            out = block(x)
+            assert out["aux"] is None and out["layer"] == 0
+            x = out["hidden"] + out["residual"]
+        return x.square().sum()
+
+
+@needs_whole_step
+@pytest.mark.skipif(not regions_available(), reason="this torch's nested_compile_region "
+                    "takes no reuse key")
+def test_forward_regions_return_what_torchs_regions_cannot(one_gloo_rank: None) -> None:
+    # Each block's output, a dict with a None, a constant and the block's own input, is
+    # rebuilt around the region: the step matches the one without regions bit for bit,
+    # and the second block reuses the first one's region.
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    results = []
+    for forward_regions in (False, True):
+        torch.manual_seed(0)
+        model = _Stack()
+        for block in model.blocks:
+            fsdp_traceable.fully_shard(block)
+        fsdp_traceable.fully_shard(model)
+
+        def step(x: torch.Tensor, model: _Stack = model) -> torch.Tensor:
+            loss = model(x)
+            loss.backward()
+            return loss.detach()
+
+        timings = torch._dynamo.utils.compilation_time_metrics
+        before = {name: len(timings.get(name, [])) for name in _REGION_TRACES}
+        with fsdp_traceable.config.patch(forward_regions=forward_regions):
+            loss = fsdp_traceable.compile_step(step, backend="aot_eager")(x)
+        traced = {name: len(timings.get(name, [])) - before[name] for name in _REGION_TRACES}
+        assert traced == ({"invoke_subgraph_trace": 1, "invoke_subgraph_reuse_stamp_out": 1}
+                          if forward_regions else dict.fromkeys(_REGION_TRACES, 0))
+        results.append((loss, [p.grad.full_tensor() for p in model.parameters()]))
+    (loss, grads), (region_loss, region_grads) = results
+    assert torch.equal(loss, region_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, region_grads, strict=True))
+
+
+@needs_whole_step
+@pytest.mark.skipif(not regions_available(), reason="this torch's nested_compile_region "
+                    "takes no reuse key")
+def test_forward_regions_name_an_output_they_cannot_return(fake_world: None) -> None:
+    @dataclasses.dataclass
+    class Output:
+        hidden: torch.Tensor
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Output:
+            return Output(self.linear(x))
+
+    block = fsdp_traceable.fully_shard(Block())
+    step = fsdp_traceable.compile_step(lambda x: block(x).hidden.sum().backward(),
+                                       backend="aot_eager")
+    with fsdp_traceable.config.patch(forward_regions=True), pytest.raises(
+            Exception, match=r"this forward's output holds a 'test_forward_regions_name_an_"
+            r"output_they_cannot_return.<locals>.Output' object.*forward_regions = False"):
+        step(torch.randn(2, 8))

@@ -23,8 +23,9 @@
     :mod:`fsdp_traceable.fsdp.forward_regions`). Each collective is moved across the
     neighbouring region call, so a block's all-gather still overlaps the previous
     block's compute (:mod:`fsdp_traceable.region_schedule`). Off by default: a forward
-    whose output torch's regions reject fails to compile. ``False`` traces every
-    block's forward inline.
+    returning a view of its input, or an object other than tensors, constants and
+    tuples, lists and dicts of them, fails to compile. ``False`` traces every block's
+    forward inline.
 ``max_bucket_bytes``: the largest all-gather output or reduce-scatter input one bucket
     (one ``fully_shard`` group) may plan, in bytes; larger buckets are rejected at
     ``fully_shard`` time and before any allocation in the collectives. The default,

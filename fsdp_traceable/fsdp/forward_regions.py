@@ -31,9 +31,12 @@ equal. The key is a small int, one per distinct signature of
 A module whose subtree holds another ``fully_shard`` module (its all-gather would run
 inside the region), whose arguments hold anything but tensors and plain constants, or
 which has inner forward hooks or a forward set on the instance runs its forward
-inline, as without regions. A region's output must be a tensor or a tuple or list of
-tensors, none of them an input (torch's limits: the compile fails with torch's error
-otherwise, which is why ``fsdp_traceable.config.forward_regions`` is off by default).
+inline, as without regions. torch's regions return tensors only, none of them an input;
+the forward's output is rebuilt around the region (see [Note: region outputs]), so it may
+hold tensors (the forward's own inputs among them), constants, and tuples, lists and
+dicts of them. Anything else raises a ``TypeError`` naming the switch, and a view of an
+input still fails with torch's aliasing error (which is why
+``fsdp_traceable.config.forward_regions`` is off by default).
 """
 
 from __future__ import annotations
@@ -164,6 +167,100 @@ def _key_of(key: int, *_: Any) -> int:
     return key
 
 
+# [Note: region outputs]
+# torch's regions return tensors only, none of them an input, and refuse reuse by key
+# for anything else (a dict, a ``None`` in a tuple). The region returns the forward's
+# output tensors as one flat tuple instead; the rest of the output, its layout (the
+# containers, the constants, which leaf is a tensor it returns and which one of the
+# call's own input tensors), is recorded by key while Dynamo traces the region's body,
+# and read back after each call to build the output again. Equal keys trace equal
+# bodies, so a stamped-out call reads the layout its traced call recorded.
+_output_layouts: dict[int, tuple] = {}
+
+
+def _input_tensors(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a call's inputs: tensors, constants and tuples, lists
+    and dicts of them), in order."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _input_tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _input_tensors(item, found)
+    return found
+
+
+def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor]) -> tuple:
+    """The layout of the output ``value``, appending to ``returned`` the tensors the
+    region returns for it (an input tensor, or one returned already, is referred to)."""
+    if isinstance(value, torch.Tensor):
+        for i, tensor in enumerate(inputs):
+            if value is tensor:
+                return ("input", i)
+        for i, tensor in enumerate(returned):
+            if value is tensor:
+                return ("tensor", i)
+        returned.append(value)
+        return ("tensor", len(returned) - 1)
+    if isinstance(value, _CONSTANT_TYPES):
+        return ("constant", value)
+    if type(value) in (tuple, list):
+        return (type(value).__name__, tuple(_layout(item, inputs, returned) for item in value))
+    if type(value) is dict:
+        return ("dict", tuple((key, _layout(item, inputs, returned))
+                              for key, item in value.items()))
+    return ("unsupported", type(value).__qualname__)
+
+
+def _unsupported_in(layout: tuple) -> str | None:
+    kind, content = layout
+    if kind == "unsupported":
+        return content
+    if kind in ("tuple", "list"):
+        return next(filter(None, map(_unsupported_in, content)), None)
+    if kind == "dict":
+        return next(filter(None, (_unsupported_in(item) for _, item in content)), None)
+    return None
+
+
+@torch._dynamo.assume_constant_result
+def _record_output_layout(key: int, layout: tuple) -> int:
+    """Runs in Python while Dynamo traces a region's body: keeps its output layout."""
+    unsupported = _unsupported_in(layout)
+    if unsupported is not None:
+        raise TypeError(
+            f"with fsdp_traceable.config.forward_regions = True a fully_shard module's "
+            f"forward runs as a nested compile region, which returns tensors, constants "
+            f"and tuples, lists and dicts of them; this forward's output holds a "
+            f"{unsupported!r} object. Return those types, or set "
+            f"fsdp_traceable.config.forward_regions = False"
+        )
+    _output_layouts[key] = layout
+    return key
+
+
+@torch._dynamo.assume_constant_result
+def _recorded_output_layout(key: int) -> tuple:
+    return _output_layouts[key]
+
+
+def _rebuild(layout: tuple, returned: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]
+             ) -> Any:
+    kind, content = layout
+    if kind == "tensor":
+        return returned[content]
+    if kind == "input":
+        return inputs[content]
+    if kind == "constant":
+        return content
+    if kind == "dict":
+        return {key: _rebuild(item, returned, inputs) for key, item in content}
+    items = [_rebuild(item, returned, inputs) for item in content]
+    return tuple(items) if kind == "tuple" else items
+
+
 def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict], Any]
               ) -> Callable[..., Any]:
     """``body(module, unsharded, args, kwargs)`` (which binds ``unsharded``, runs the
@@ -174,7 +271,20 @@ def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict],
     _torch_patches.link_stamped_out_regions()
 
     def run_bound(key: int, module: nn.Module, unsharded: tuple[torch.Tensor, ...],
-                  args: tuple, kwargs: dict) -> Any:
-        return body(module, unsharded, args, kwargs)
+                  args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        # See [Note: region outputs].
+        output = body(module, unsharded, args, kwargs)
+        returned: list[torch.Tensor] = []
+        layout = _layout(output, _input_tensors((unsharded, args, kwargs), []), returned)
+        _record_output_layout(key, layout)
+        return tuple(returned)
 
-    return torch.compiler.nested_compile_region(run_bound, reuse_hash_fn=_key_of)
+    region = torch.compiler.nested_compile_region(run_bound, reuse_hash_fn=_key_of)
+
+    def call(key: int, module: nn.Module, unsharded: tuple[torch.Tensor, ...], args: tuple,
+             kwargs: dict) -> Any:
+        returned = region(key, module, unsharded, args, kwargs)
+        inputs = _input_tensors((unsharded, args, kwargs), [])
+        return _rebuild(_recorded_output_layout(key), returned, inputs)
+
+    return call
