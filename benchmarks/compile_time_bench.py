@@ -17,8 +17,9 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 * ``ours-blocks-aot``: the same without compiled autograd (each block's AOTAutograd
   backward);
 * ``ours-step``: fsdp_traceable, the whole step (forward, loss, backward) as one graph:
-  ``fsdp_traceable.compile_step`` (Inductor); the optimizer step runs eagerly;
-* ``ours-step-regions``: ``ours-step`` with ``fsdp_traceable.config.forward_regions``:
+  ``fsdp_traceable.compile_step`` (Inductor) with ``config.forward_regions = False``
+  (every block traced inline); the optimizer step runs eagerly;
+* ``ours-step-regions``: ``ours-step`` with forward regions (the default on torch 2.13+):
   each block's forward one call of a shared nested compile region (traced and compiled
   once; the collectives moved across the region calls for overlap);
 * ``ours-step-saved``: ``ours-step`` with ``compile_step(cache_dir=...)`` (in the cache

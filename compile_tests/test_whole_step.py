@@ -273,26 +273,40 @@ def test_forward_regions_return_what_torchs_regions_cannot(one_gloo_rank: None) 
     assert all(torch.equal(a, b) for a, b in zip(grads, region_grads, strict=True))
 
 
+@dataclasses.dataclass
+class _Output:
+    hidden: torch.Tensor
+
+
+class _OddBlock(torch.nn.Module):
+    """Returns what a forward region cannot: an object, or a view of its input."""
+
+    def __init__(self, output: str) -> None:
+        super().__init__()
+        self.output = output
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> object:
+        hidden = self.linear(x)
+        return _Output(hidden) if self.output == "object" else (hidden, x.t())
+
+
 @needs_whole_step
 @pytest.mark.skipif(not regions_available(), reason="this torch's nested_compile_region "
                     "takes no reuse key")
-def test_forward_regions_name_an_output_they_cannot_return(fake_world: None) -> None:
-    @dataclasses.dataclass
-    class Output:
-        hidden: torch.Tensor
+@pytest.mark.parametrize("output, message", [
+    ("object", r"this forward's output holds a '_Output' object.*forward_regions = False"),
+    ("view", r"returned a view of its input.*forward_regions = False"),
+])
+def test_forward_regions_name_the_switch_for_an_output_they_cannot_return(
+        fake_world: None, output: str, message: str) -> None:
+    block = fsdp_traceable.fully_shard(_OddBlock(output))
 
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 8)
+    def step(x: torch.Tensor) -> None:
+        out = block(x)
+        (out.hidden if output == "object" else out[0]).sum().backward()
 
-        def forward(self, x: torch.Tensor) -> Output:
-            return Output(self.linear(x))
-
-    block = fsdp_traceable.fully_shard(Block())
-    step = fsdp_traceable.compile_step(lambda x: block(x).hidden.sum().backward(),
-                                       backend="aot_eager")
-    with fsdp_traceable.config.patch(forward_regions=True), pytest.raises(
-            Exception, match=r"this forward's output holds a 'test_forward_regions_name_an_"
-            r"output_they_cannot_return.<locals>.Output' object.*forward_regions = False"):
-        step(torch.randn(2, 8))
+    # On by default (torch 2.13+): the error says which switch turns regions off.
+    assert fsdp_traceable.config.forward_regions is None
+    with pytest.raises(Exception, match=message):
+        fsdp_traceable.compile_step(step, backend="aot_eager")(torch.randn(2, 8))

@@ -16,16 +16,17 @@
     so identical blocks share one traced and compiled backward (see
     :mod:`fsdp_traceable.backward_regions`). ``False`` pastes every block's backward
     node by node, as torch does.
-``forward_regions`` (default ``False``): while Dynamo traces ``backward()`` itself
-    (``compile_step``, or ``torch._dynamo.config.trace_autograd_ops``), run each
-    ``fully_shard`` module's own forward as one call of a shared nested compile region,
-    so identical blocks are traced and compiled once (torch 2.13 on; see
-    :mod:`fsdp_traceable.fsdp.forward_regions`). Each collective is moved across the
-    neighbouring region call, so a block's all-gather still overlaps the previous
-    block's compute (:mod:`fsdp_traceable.region_schedule`). Off by default: a forward
-    returning a view of its input, or an object other than tensors, constants and
-    tuples, lists and dicts of them, fails to compile. ``False`` traces every block's
-    forward inline.
+``forward_regions`` (default ``None``: on where this torch's regions take a reuse key,
+    2.13 on): while Dynamo traces ``backward()`` itself (``compile_step``, or
+    ``torch._dynamo.config.trace_autograd_ops``), run each ``fully_shard`` module's own
+    forward as one call of a shared nested compile region, so identical blocks are
+    traced and compiled once (see :mod:`fsdp_traceable.fsdp.forward_regions`). Each
+    collective is moved across the neighbouring region call, so a block's all-gather
+    still overlaps the previous block's compute (:mod:`fsdp_traceable.region_schedule`).
+    A forward returning a view of its input, or an object other than tensors,
+    constants and tuples, lists and dicts of them, fails to compile with an error
+    naming this switch. ``True`` insists (``compile_step`` raises on an older torch);
+    ``False`` traces every block's forward inline.
 ``max_bucket_bytes``: the largest all-gather output or reduce-scatter input one bucket
     (one ``fully_shard`` group) may plan, in bytes; larger buckets are rejected at
     ``fully_shard`` time and before any allocation in the collectives. The default,
@@ -40,7 +41,7 @@ from torch.utils._config_module import install_config_module
 collectives_path: str = "auto"
 copy_kernels: str = "auto"
 backward_regions: bool = True
-forward_regions: bool = False
+forward_regions: bool | None = None
 max_bucket_bytes: int = 2**31 - 1
 
 install_config_module(sys.modules[__name__])

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import config
+from .tracing import forward_regions_enabled
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def _fingerprint_parts(step: Callable[..., Any], modules: dict[str, nn.Module], 
                        kwargs: dict, version: str) -> Iterator[str]:
     yield f"format={_FORMAT} torch={torch.__version__} fsdp_traceable={version}"
     # The library's switches that shape the traced graph.
-    yield (f"config forward_regions={config.forward_regions} "
+    yield (f"config forward_regions={forward_regions_enabled()} "
            f"copy_kernels={config.copy_kernels} collectives_path={config.collectives_path}")
     if dist.is_initialized():
         yield f"world={dist.get_world_size()} rank={dist.get_rank()}"

@@ -46,10 +46,18 @@ def regions_available() -> bool:
     return _REGIONS_AVAILABLE
 
 
+def forward_regions_enabled() -> bool:
+    """Whether whole steps run ``fully_shard`` forwards as nested compile regions:
+    ``config.forward_regions`` is ``True``, or ``None`` (the default) on a torch whose
+    regions take a reuse key."""
+    return config.forward_regions is True or (
+        config.forward_regions is None and regions_available())
+
+
 def forward_regions_in_use() -> bool:
     """Whether ``fully_shard`` forwards run as nested compile regions now: a whole step
-    is being traced (Dynamo traces ``backward()`` itself) with
-    ``config.forward_regions`` on. See [Note: forward regions]."""
-    return (config.forward_regions and torch.compiler.is_compiling()
+    is being traced (Dynamo traces ``backward()`` itself) with forward regions enabled
+    (:func:`forward_regions_enabled`). See [Note: forward regions]."""
+    return (forward_regions_enabled() and torch.compiler.is_compiling()
             and getattr(torch._dynamo.config, "trace_autograd_ops", False)
             and regions_available())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -28,7 +28,7 @@ import torch
 from . import _torch_patches
 from . import config as fsdp_config
 from .step_cache import PrecompiledStep, precompile_available
-from .tracing import regions_available
+from .tracing import forward_regions_enabled, regions_available
 
 __all__ = ["compile_step", "dynamo_traces_backward_into_dtensors"]
 
@@ -64,12 +64,40 @@ def _cacheable_functions() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True)
 
 
+@contextlib.contextmanager
+def _region_errors_name_the_switch() -> Iterator[None]:
+    """Turns torch's error for a forward region that returns a view of its input into
+    one naming ``config.forward_regions`` (see [Note: region outputs])."""
+    try:
+        yield
+    except Exception as error:
+        if forward_regions_enabled() and _is_region_aliasing(error):
+            raise RuntimeError(
+                "a fully_shard module's forward returned a view of its input, which a "
+                "nested compile region cannot return (torch's error above); with "
+                "fsdp_traceable.config.forward_regions on (the default on torch 2.13+) "
+                "each such forward runs as one. Return a new tensor (e.g. .clone()), or "
+                "set fsdp_traceable.config.forward_regions = False"
+            ) from error
+        raise
+
+
+def _is_region_aliasing(error: BaseException | None) -> bool:
+    while error is not None:
+        message = str(error)
+        if "invoke_subgraph" in message and "aliasing" in message:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _check_forward_regions() -> None:
-    if fsdp_config.forward_regions and not regions_available():
+    if fsdp_config.forward_regions is True and not regions_available():
         raise RuntimeError(
             f"fsdp_traceable.config.forward_regions needs a torch whose "
             f"nested_compile_region reuses a region by key (2.13 or newer); torch "
-            f"{torch.__version__} has none: set forward_regions = False"
+            f"{torch.__version__} has none: set forward_regions = None (on where "
+            f"available) or False"
         )
 
 
@@ -92,10 +120,11 @@ def compile_step(
     Call ``optimizer.step()`` and ``zero_grad()`` outside ``step`` (torch's optimizers
     graph-break at ``step()`` on purpose). Compiled with
     ``fullgraph=True``: a graph break is an error, never a silent split. A restarted
-    process finds the step in AOTAutograd's and Inductor's caches. With
-    ``fsdp_traceable.config.forward_regions`` (torch 2.13 on) identical blocks are traced
-    and compiled once: each ``fully_shard`` module's forward runs as one call of a
-    shared nested compile region (see [Note: forward regions]).
+    process finds the step in AOTAutograd's and Inductor's caches. With forward
+    regions (``fsdp_traceable.config.forward_regions``, on by default from torch 2.13)
+    identical blocks are traced and compiled once: each ``fully_shard`` module's
+    forward runs as one call of a shared nested compile region (see [Note: forward
+    regions]).
 
     Args:
         step: the training step.
@@ -116,8 +145,9 @@ def compile_step(
         TypeError: if ``step`` is not callable.
         RuntimeError: if this torch cannot trace ``backward()`` into DTensor
             parameters (torch 2.11: use ``torch.compile`` with compiled autograd); at a
-            call, if ``config.forward_regions`` is on and this torch cannot key a
-            region (before 2.13).
+            call, if ``config.forward_regions`` is ``True`` and this torch cannot key a
+            region (before 2.13), or if a forward run as a region returns a view of its
+            input.
     """
     if not callable(step):
         raise TypeError(f"compile_step(step=...) takes the training step function, got {step!r}")
@@ -152,6 +182,7 @@ def compile_step(
         stack = contextlib.ExitStack()
         stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
         stack.enter_context(_cacheable_functions())
+        stack.enter_context(_region_errors_name_the_switch())
         return stack
 
     compiled = compile_with()

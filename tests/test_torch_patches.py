@@ -297,8 +297,10 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups() -> None:
 
         module.remat_using_tags_for_fwd_loss_bwd_graph = patched.__wrapped__
         try:
+            # Without forward regions: each block's autograd.Function in the graph.
             with (torch._dynamo.config.patch(trace_autograd_ops=True),
                   torch._functorch.config.patch(enable_autograd_cache=False),
+                  fsdp_traceable.config.patch(forward_regions=False),
                   pytest.raises(Exception, match="disjoint backward regions")):
                 torch.compile(step, backend="aot_eager", fullgraph=True)(torch.zeros(2, 8, dtype=torch.long))
         finally:

@@ -35,8 +35,7 @@ inline, as without regions. torch's regions return tensors only, none of them an
 the forward's output is rebuilt around the region (see [Note: region outputs]), so it may
 hold tensors (the forward's own inputs among them), constants, and tuples, lists and
 dicts of them. Anything else raises a ``TypeError`` naming the switch, and a view of an
-input still fails with torch's aliasing error (which is why
-``fsdp_traceable.config.forward_regions`` is off by default).
+input fails with torch's aliasing error, which ``compile_step`` names the switch in too.
 """
 
 from __future__ import annotations
@@ -231,8 +230,9 @@ def _record_output_layout(key: int, layout: tuple) -> int:
     unsupported = _unsupported_in(layout)
     if unsupported is not None:
         raise TypeError(
-            f"with fsdp_traceable.config.forward_regions = True a fully_shard module's "
-            f"forward runs as a nested compile region, which returns tensors, constants "
+            f"with fsdp_traceable.config.forward_regions on (the default on torch 2.13+) "
+            f"a fully_shard module's forward runs as a nested compile region, which "
+            f"returns tensors, constants "
             f"and tuples, lists and dicts of them; this forward's output holds a "
             f"{unsupported!r} object. Return those types, or set "
             f"fsdp_traceable.config.forward_regions = False"
