@@ -27,6 +27,8 @@ from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 needs_whole_step = pytest.mark.skipif(
     not dynamo_traces_backward_into_dtensors(),
     reason="this torch's Dynamo cannot trace backward() into DTensor parameters")
+needs_keyed_regions = pytest.mark.skipif(
+    not regions_available(), reason="this torch's nested_compile_region takes no reuse key")
 
 
 @needs_whole_step
@@ -239,8 +241,7 @@ class _Stack(torch.nn.Module):
 
 
 @needs_whole_step
-@pytest.mark.skipif(not regions_available(), reason="this torch's nested_compile_region "
-                    "takes no reuse key")
+@needs_keyed_regions
 def test_forward_regions_return_what_torchs_regions_cannot(one_gloo_rank: None) -> None:
     # Each block's output, a dict with a None, a constant and the block's own input, is
     # rebuilt around the region: the step matches the eager step bit for bit, and the
@@ -292,8 +293,7 @@ class _OddBlock(torch.nn.Module):
 
 
 @needs_whole_step
-@pytest.mark.skipif(not regions_available(), reason="this torch's nested_compile_region "
-                    "takes no reuse key")
+@needs_keyed_regions
 @pytest.mark.parametrize("output, message", [
     ("object", r"this forward's output holds a '_Output' object.*forward_regions = False"),
     ("view", r"returned a view of its input.*forward_regions = False"),

@@ -191,9 +191,11 @@ def _input_tensors(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
     return found
 
 
-def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor]) -> tuple:
+def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor],
+            unsupported: list[str]) -> tuple:
     """The layout of the output ``value``, appending to ``returned`` the tensors the
-    region returns for it (an input tensor, or one returned already, is referred to)."""
+    region returns for it (an input tensor, or one returned already, is referred to)
+    and to ``unsupported`` the type of anything a layout cannot hold."""
     if isinstance(value, torch.Tensor):
         for i, tensor in enumerate(inputs):
             if value is tensor:
@@ -206,35 +208,26 @@ def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor]
     if isinstance(value, _CONSTANT_TYPES):
         return ("constant", value)
     if type(value) in (tuple, list):
-        return (type(value).__name__, tuple(_layout(item, inputs, returned) for item in value))
+        return (type(value).__name__,
+                tuple(_layout(item, inputs, returned, unsupported) for item in value))
     if type(value) is dict:
-        return ("dict", tuple((key, _layout(item, inputs, returned))
+        return ("dict", tuple((key, _layout(item, inputs, returned, unsupported))
                               for key, item in value.items()))
-    return ("unsupported", type(value).__qualname__)
-
-
-def _unsupported_in(layout: tuple) -> str | None:
-    kind, content = layout
-    if kind == "unsupported":
-        return content
-    if kind in ("tuple", "list"):
-        return next(filter(None, map(_unsupported_in, content)), None)
-    if kind == "dict":
-        return next(filter(None, (_unsupported_in(item) for _, item in content)), None)
-    return None
+    unsupported.append(type(value).__qualname__)
+    return ("unsupported", None)
 
 
 @torch._dynamo.assume_constant_result
-def _record_output_layout(key: int, layout: tuple) -> int:
-    """Runs in Python while Dynamo traces a region's body: keeps its output layout."""
-    unsupported = _unsupported_in(layout)
-    if unsupported is not None:
+def _record_output_layout(key: int, layout: tuple, unsupported: tuple[str, ...]) -> int:
+    """Runs in Python while Dynamo traces a region's body: keeps its output layout, or
+    raises for the first type in ``unsupported``."""
+    if unsupported:
         raise TypeError(
             f"with fsdp_traceable.config.forward_regions on (the default on torch 2.13+) "
             f"a fully_shard module's forward runs as a nested compile region, which "
             f"returns tensors, constants "
             f"and tuples, lists and dicts of them; this forward's output holds a "
-            f"{unsupported!r} object. Return those types, or set "
+            f"{unsupported[0]!r} object. Return those types, or set "
             f"fsdp_traceable.config.forward_regions = False"
         )
     _output_layouts[key] = layout
@@ -275,8 +268,10 @@ def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict],
         # See [Note: region outputs].
         output = body(module, unsharded, args, kwargs)
         returned: list[torch.Tensor] = []
-        layout = _layout(output, _input_tensors((unsharded, args, kwargs), []), returned)
-        _record_output_layout(key, layout)
+        unsupported: list[str] = []
+        layout = _layout(output, _input_tensors((unsharded, args, kwargs), []), returned,
+                         unsupported)
+        _record_output_layout(key, layout, tuple(unsupported))
         return tuple(returned)
 
     region = torch.compiler.nested_compile_region(run_bound, reuse_hash_fn=_key_of)
