@@ -219,6 +219,15 @@ class ParamGroup:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("prefetch: all-gather of group %r issued early", self.name)
             self._eager.keep_prefetched(self.start_all_gather(), self.params.local_versions())
+            if torch._C._current_graph_task_id() != -1:
+                # As FSDP2's finalize_backward: a backward prefetch this backward did not
+                # use (its module's backward read no parameter) is waited for at the
+                # backward's end, not carried, buffer and all, into the next step.
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._complete_unused_prefetch)
+
+    def _complete_unused_prefetch(self) -> None:
+        group_all_gather.complete_all_gather(self._eager.take_prefetched()[0])
 
     @property
     def region_eligible(self) -> bool:

@@ -153,6 +153,7 @@ def train(
     steps: int = 2,
     microbatches: int = 1,
     before_microbatch: MicrobatchHook | None = None,
+    after_backward: MicrobatchHook | None = None,
 ) -> dict[str, Any]:
     """AdamW training, one optimizer step per ``microbatches`` backward calls.
 
@@ -168,6 +169,8 @@ def train(
                 before_microbatch(model, micro, microbatches)
             loss = model.loss(*batch(step * microbatches + micro, rank, world_size))
             loss.backward()
+            if after_backward is not None:
+                after_backward(model, micro, microbatches)
             losses.append(loss.item())
         if first_grads is None:
             first_grads = [None if p.grad is None else p.grad.full_tensor()
@@ -455,6 +458,16 @@ def shard_embedding_separately(model: Transformer, fully_shard_fn, **kwargs) -> 
 
 def embedding_own_group(rank: int, world_size: int) -> dict[str, Any]:
     """A group whose backward never needs its parameters: the backward prefetch of it
-    goes unused, and the next forward must not use that pre-step gather."""
-    return train_both(seeded_transformer(), rank, world_size,
-                      shard_kwargs={"shard_fn": shard_embedding_separately}, steps=3)
+    goes unused, is finished at the backward's end (as FSDP2 does), and the next
+    forward must not use that pre-step gather."""
+    theirs, ours = shard_copies(seeded_transformer(), shard_fn=shard_embedding_separately)
+    in_flight_after_backward = []
+
+    def after_backward(model: nn.Module, micro: int, microbatches: int) -> None:
+        in_flight_after_backward.append(
+            model.tok_embeddings._fsdp_group._eager.prefetched is not None)
+
+    results = {"theirs": train(theirs, rank, world_size, steps=3),
+               "ours": train(ours, rank, world_size, steps=3, after_backward=after_backward)}
+    results["ours"]["in_flight_after_backward"] = in_flight_after_backward
+    return results

@@ -174,9 +174,11 @@ def test_weight_shared_by_two_groups_raises_at_fully_shard(two_ranks):
 @pytest.mark.gloo
 def test_group_not_regathered_in_backward_matches_fsdp2(two_ranks):
     # The embedding's backward needs no weight, so the backward prefetch of its group
-    # is never used; the next forward must gather the stepped weights, not use it.
+    # is never used: it is finished when the backward ends, and the next forward gathers
+    # the stepped weights.
     for result in case_results(two_ranks, "embedding_own_group"):
         assert_same_training(result["theirs"], result["ours"])
+        assert result["ours"]["in_flight_after_backward"] == [False] * 3
 
 
 @pytest.mark.gloo

@@ -219,9 +219,9 @@ def test_hooks_set_after_fully_shard_are_used_as_fsdp2_uses_them():
         for case in ("class", "instance"):
             theirs, ours = run[f"{case}_theirs"], run[f"{case}_ours"]
             assert theirs["calls"] == {"pre": all_gathers, "post": all_gathers}, case
-            # Ours drops the first linear's backward re-gather unfinished (its backward
-            # never reads the weight: its input needs no gradient), so that all-gather's
-            # post hook does not run, once per step.
+            # Ours finishes the first linear's backward re-gather unused at the backward's
+            # end (its backward never reads the weight: its input needs no gradient), so
+            # that all-gather's post hook does not run, once per step.
             assert ours["calls"] == {"pre": all_gathers, "post": all_gathers - STEPS}, case
             assert ours["losses"] == theirs["losses"], case
             assert all(torch.equal(a, b) for a, b in zip(theirs["params"], ours["params"])), case
