@@ -18,8 +18,8 @@ Where they are applied (unchanged from before they moved here):
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
 * :func:`complete_whole_step_recompute`: by :func:`fsdp_traceable.compile_step`.
-* :func:`link_stamped_out_regions`: when the forward region is made
-  (``fsdp/forward_regions.region_of``).
+* :func:`link_stamped_out_regions`, :func:`memoize_region_schemas`: when the forward
+  region is made (``fsdp/forward_regions.region_of``).
 
 No other module of the package may assign to, wrap or filter anything of torch's.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,8 @@ __all__ = [
     "drop_context_fn_warning",
     "drop_mesh_hash_from_pickles",
     "extract_bw_module_exists",
+    "link_stamped_out_regions",
+    "memoize_region_schemas",
     "rewrite_aot_backwards",
     "shard_uneven_new_empty_strided",
     "skip_dtensor_unflatten_frames",
@@ -489,4 +492,68 @@ def link_stamped_out_regions() -> bool:
 
     stamp_out_subgraph._fsdp_traceable_links = True
     dynamo_invoke_subgraph.stamp_out_subgraph = stamp_out_subgraph
+    return True
+
+
+def _schema_key(subgraph: Any, identifier: str | None, operands: tuple) -> tuple | None:
+    """What a region call's schema depends on besides its graph, or ``None`` where a
+    symbolic size makes equal-looking calls differ (those are not memoized)."""
+    parts: list[Any] = [identifier, type(subgraph), type(getattr(subgraph, "ctx", None))]
+    for operand in operands:
+        if isinstance(operand, torch.Tensor):
+            if operand._has_symbolic_sizes_strides:
+                return None
+            parts.append((type(operand), tuple(operand.shape), tuple(operand.stride()),
+                          operand.storage_offset(), operand.dtype, operand.device,
+                          operand.requires_grad))
+        elif type(operand) is int or operand is None:
+            parts.append(operand)
+        else:  # a SymInt, a generator, an opaque object
+            return None
+    return tuple(parts)
+
+
+def memoize_region_schemas() -> bool:
+    """Each region call's schema is built once per graph and call signature.
+
+    Under AOTAutograd every ``nested_compile_region`` call that needs a gradient passes
+    ``HigherOrderOperator``'s autograd entry, which builds the call's schema
+    (``InvokeSubgraphHOP.gen_schema``) to refuse in-place input mutation, and building it
+    traces the region's whole graph again: once per call, per tracing pass (three per
+    call in a whole step), although every call of one region with the same argument
+    layout gets the same schema. The schema is kept per region graph (weakly), its
+    code (what the trace runs), and the argument layout (shapes, strides, dtypes,
+    devices, ``requires_grad``); calls with symbolic sizes are not memoized.
+
+    Applies to: every torch with ``InvokeSubgraphHOP.gen_schema`` (2.11 to 2.14).
+
+    Returns:
+        Whether ``gen_schema`` is memoized (``False`` where torch has none).
+    """
+    try:
+        from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+    except ImportError:
+        return False
+    current = getattr(InvokeSubgraphHOP, "gen_schema", None)
+    if current is None:
+        return False
+    if getattr(current, "_fsdp_traceable_memo", False):
+        return True
+    schemas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(current)
+    def gen_schema(self: Any, subgraph: Any, identifier: str | None, *operands: Any) -> Any:
+        graph = getattr(subgraph, "subgraph", subgraph)  # a FunctionalizeCtxWrapper's graph
+        key = _schema_key(subgraph, identifier, operands)
+        if key is None or not isinstance(graph, fx.GraphModule):
+            return current(self, subgraph, identifier, *operands)
+        # Keyed by the graph's code too: a pass that edits the graph recompiles it.
+        key = (graph.code, *key)
+        per_graph = schemas.setdefault(graph, {})
+        if key not in per_graph:
+            per_graph[key] = current(self, subgraph, identifier, *operands)
+        return per_graph[key]
+
+    gen_schema._fsdp_traceable_memo = True
+    InvokeSubgraphHOP.gen_schema = gen_schema
     return True

@@ -344,3 +344,67 @@ def test_torch_still_leaves_a_reused_region_call_without_autograd_history(monkey
     # Patched, every block gets its gradient: compile_tests/test_whole_step.py (the
     # forward-regions case), as FSDP2 eager's bit for bit with Llama's layers.
     assert _unlinked_block_grads(monkeypatch)[1] is False
+
+
+# -- Every region call that needs a gradient traces the region again for its schema ---
+
+def _region_schema_traces() -> tuple[int, list[str]]:
+    """Compiles (AOTAutograd, eager backend) a function calling one region three times
+    with one argument layout, then backward; returns how often the region's graph was
+    traced again to build a call's schema, and the schemas built."""
+    from torch._higher_order_ops import utils as hop_utils
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    traces, schemas = [], []
+    materialize = hop_utils.materialize_as_graph
+    gen_schema = InvokeSubgraphHOP.gen_schema
+
+    def recorded(*args: object) -> torch.FunctionSchema:
+        schemas.append(gen_schema(*args))
+        return schemas[-1]
+
+    @torch.compiler.nested_compile_region
+    def block(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ weight)
+
+    def loss(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        for weight in weights:
+            x = block(x, weight)
+        return x.sum()
+
+    weights = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    torch._dynamo.reset()
+    with (pytest.MonkeyPatch.context() as patch,
+          torch._functorch.config.patch(enable_autograd_cache=False)):
+        patch.setattr(hop_utils, "materialize_as_graph",
+                      lambda *args, **kwargs: traces.append(1) or materialize(*args, **kwargs))
+        patch.setattr(InvokeSubgraphHOP, "gen_schema", recorded)
+        torch.compile(loss, backend="aot_eager", fullgraph=True)(torch.randn(4, 8), weights).backward()
+    assert all(weight.grad is not None for weight in weights)
+    return len(traces), [str(schema) for schema in schemas]
+
+
+def _unpatched_region_schemas() -> tuple[int, list[str]]:
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    assert _torch_patches.memoize_region_schemas()
+    with pytest.MonkeyPatch.context() as unpatched:
+        unpatched.setattr(InvokeSubgraphHOP, "gen_schema", InvokeSubgraphHOP.gen_schema.__wrapped__)
+        return _region_schema_traces()
+
+
+def test_torch_still_traces_a_region_again_for_every_calls_schema() -> None:
+    traces, schemas = _unpatched_region_schemas()
+    assert traces == len(schemas) >= 6
+
+
+def test_region_schema_built_once_per_argument_layout() -> None:
+    assert _torch_patches.memoize_region_schemas()
+    assert _torch_patches.memoize_region_schemas()  # again: no change
+    # 3 calls of the forward region (the first one's input needs no gradient) and of
+    # the backward region, in more than one AOTAutograd pass: far fewer layouts than
+    # calls (4 on torch 2.13; how torch names and wraps the regions varies by version).
+    traces, schemas = _region_schema_traces()
+    unpatched_traces, unpatched_schemas = _unpatched_region_schemas()
+    assert traces < len(schemas) and traces < unpatched_traces
+    assert schemas == unpatched_schemas

@@ -260,8 +260,10 @@ def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict],
     module's forward and unbinds) as the shared region, called as
     ``region(key, module, unsharded, args, kwargs)``: calls with equal ``key`` share
     one trace. The region's arguments may only be tensors, constants and modules."""
-    # See [Note: torch patches]: reused calls' outputs connected to their inputs.
+    # See [Note: torch patches]: reused calls' outputs connected to their inputs, and
+    # each call's schema built once, not by tracing the region again.
     _torch_patches.link_stamped_out_regions()
+    _torch_patches.memoize_region_schemas()
 
     def run_bound(key: int, module: nn.Module, unsharded: tuple[torch.Tensor, ...],
                   args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
