@@ -1,4 +1,4 @@
-"""The patches of torch (``fsdp_traceable/_torch_patches.py``).
+"""The patches of torch (``fsdp_traceable/_torch_patches/``).
 
 Per patch: what it changes, and a check that torch without it still has the problem,
 named ``test_torch_still_...``. When one of those fails, torch fixed the problem on

@@ -1,0 +1,55 @@
+"""Every change this package makes to torch itself, in one place: this package, one
+module per area of torch (``dtensor``, ``device_mesh``, ``checkpoint_warning``,
+``compiled_autograd``, ``whole_step_recompute``, ``regions``).
+
+[Note: torch patches]
+Each patch below works around one torch behaviour that has no public switch. Each
+has: a docstring saying why, which torch versions it applies to (feature-detected:
+where torch lacks what it patches, nothing is changed and the function returns
+``False``), and one function that applies it and is safe to call again. Each has a
+test in ``tests/test_torch_patches.py`` that checks the unpatched behaviour is still
+a problem, so that test fails, and says the patch can go, once torch fixes it.
+
+Where they are applied (unchanged from before they moved here):
+
+* :func:`skip_dtensor_unflatten_frames`, :func:`drop_context_fn_warning`,
+  :func:`shard_uneven_new_empty_strided`: on import of ``fsdp_traceable``
+  (``fsdp/autograd_bridge.py``, whose autograd boundary, recompute region and sharded
+  gradients meet them).
+* :func:`drop_mesh_hash_from_pickles`: on every ``fully_shard`` call.
+* :func:`rewrite_aot_backwards`: on the first parameter group built
+  (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
+* :func:`complete_whole_step_recompute`: by :func:`fsdp_traceable.compile_step`.
+* :func:`link_stamped_out_regions`, :func:`memoize_region_schemas`: when the forward
+  region is made (``fsdp/forward_regions.region_of``).
+
+No module outside this package may assign to, wrap or filter anything of torch's.
+"""
+
+from __future__ import annotations
+
+from .checkpoint_warning import (
+    CONTEXT_FN_WARNING,
+    CONTEXT_FN_WARNING_LOGGER,
+    drop_context_fn_warning,
+)
+from .compiled_autograd import extract_bw_module_exists, rewrite_aot_backwards
+from .device_mesh import drop_mesh_hash_from_pickles
+from .dtensor import shard_uneven_new_empty_strided, skip_dtensor_unflatten_frames
+from .regions import link_stamped_out_regions, memoize_region_schemas
+from .whole_step_recompute import REMAT_PASS_MODULE, complete_whole_step_recompute
+
+__all__ = [
+    "CONTEXT_FN_WARNING",
+    "CONTEXT_FN_WARNING_LOGGER",
+    "REMAT_PASS_MODULE",
+    "complete_whole_step_recompute",
+    "drop_context_fn_warning",
+    "drop_mesh_hash_from_pickles",
+    "extract_bw_module_exists",
+    "link_stamped_out_regions",
+    "memoize_region_schemas",
+    "rewrite_aot_backwards",
+    "shard_uneven_new_empty_strided",
+    "skip_dtensor_unflatten_frames",
+]

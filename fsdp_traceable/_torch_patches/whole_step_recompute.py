@@ -1,0 +1,128 @@
+"""Torch's recompute pass for forward-loss-backward graphs, completed."""
+
+from __future__ import annotations
+
+import functools
+
+import torch.fx as fx
+
+from ..region_schedule import overlap_collectives_across_regions, reroute_region_inputs_to_backward
+
+REMAT_PASS_MODULE = (
+    "torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass"
+)
+
+
+def _root_source(node: fx.Node) -> tuple[str, int] | None:
+    """The Dynamo graph node ``node`` was traced from: its oldest ``from_node`` entry."""
+    sources = node.meta.get("from_node")
+    root = None
+    while sources:
+        root = sources[-1]
+        sources = root.from_node
+    return None if root is None else (root.name, root.graph_id)
+
+
+def mark_backward_spans(gm: fx.GraphModule) -> int:
+    """Marks every node traced by a backward call as backward; returns how many changed.
+
+    AOTAutograd traces each node of Dynamo's graph in one go, so the nodes one
+    ``torch.autograd.grad`` (or ``backward()``) node of Dynamo's graph becomes are
+    contiguous in the traced graph: every node between the first and the last node
+    traced from it is part of that backward.
+    """
+    nodes = list(gm.graph.nodes)
+    spans: dict[tuple[str, int], tuple[int, int]] = {}
+    for index, node in enumerate(nodes):
+        if node.meta.get("autograd_backward"):
+            source = _root_source(node)
+            if source is not None:
+                first, _ = spans.get(source, (index, index))
+                spans[source] = (first, index)
+    marked = 0
+    for first, last in spans.values():
+        for node in nodes[first : last + 1]:
+            if not node.meta.get("autograd_backward"):
+                node.meta["autograd_backward"] = True
+                marked += 1
+    return marked
+
+
+def recompute_views_of_recomputed(gm: fx.GraphModule) -> int:
+    """Tags every forward view of a must-recompute value must-recompute too; returns how
+    many nodes it tagged."""
+    from torch._functorch.partitioners import must_recompute
+
+    tagged = 0
+    for node in gm.graph.nodes:
+        if (node.op != "call_function" or node.meta.get("autograd_backward")
+                or must_recompute(node) or not getattr(node.target, "is_view", False)):
+            continue
+        base = node.args[0] if node.args else None
+        if isinstance(base, fx.Node) and must_recompute(base):
+            node.meta["recompute"] = base.meta["recompute"]
+            if "ac_graph_id" in base.meta:
+                node.meta["ac_graph_id"] = base.meta["ac_graph_id"]
+            tagged += 1
+    return tagged
+
+
+def complete_whole_step_recompute() -> bool:
+    """Torch's recompute pass for forward-loss-backward graphs re-gathers every
+    resharded group in backward and keeps none of its unsharded parameters.
+
+    A forward-loss-backward graph (``loss.backward()`` traced with
+    ``torch._dynamo.config.trace_autograd_ops``) re-runs recompute-tagged ops (the
+    all-gather of a group that reshards after forward) right before the backward nodes
+    that use them. Two gaps in torch's pass (measured on 2.12 to 2.14):
+
+    * It finds the backward by the ``autograd_backward`` mark on its nodes, and the
+      nodes of a Dynamo-traced ``autograd.Function``'s backward lose that mark
+      (``AutogradFunctionApply`` runs its backward graph through an ``fx.Interpreter``,
+      which replaces the current node meta with the subgraph node's). Every group's
+      reduce-scatter then splits the backward, and the pass refuses the graph:
+      "Detected 3 disjoint backward regions that require recomputation, but remat only
+      supports one such region". Every node one backward call was traced into is marked
+      backward (:func:`mark_backward_spans`).
+    * It re-runs only tagged nodes, so a backward reading a forward view of the
+      recomputed value (``t(weight)`` of a linear layer) reads the forward's, and every
+      unsharded weight stays alive from forward to backward. Views of a recomputed value
+      are recomputed too (:func:`recompute_views_of_recomputed`), as the min-cut
+      partitioner of a joint graph recomputes them.
+
+    The pass is wrapped so both run first. Where blocks run as forward regions, the
+    backward reads their recomputed parameters from the re-gather first, and after
+    the pass each collective moves across the region call next to it, for overlap
+    (:mod:`fsdp_traceable.region_schedule`).
+
+    Applies to: every torch whose AOTAutograd runs
+    ``remat_using_tags_for_fwd_loss_bwd_graph`` on inference graphs, looked up in its
+    module at each call (2.11 to 2.14).
+
+    Returns:
+        Whether the pass is wrapped (``False`` where torch has no such pass).
+    """
+    import importlib
+
+    try:
+        module = importlib.import_module(REMAT_PASS_MODULE)
+    except ImportError:
+        return False
+    current = getattr(module, "remat_using_tags_for_fwd_loss_bwd_graph", None)
+    if current is None:
+        return False
+    if getattr(current, "_fsdp_traceable_completes", False):
+        return True
+
+    @functools.wraps(current)
+    def remat_using_tags_for_fwd_loss_bwd_graph(gm: fx.GraphModule) -> fx.GraphModule:
+        mark_backward_spans(gm)
+        reroute_region_inputs_to_backward(gm)
+        recompute_views_of_recomputed(gm)
+        gm = current(gm)
+        overlap_collectives_across_regions(gm)
+        return gm
+
+    remat_using_tags_for_fwd_loss_bwd_graph._fsdp_traceable_completes = True
+    module.remat_using_tags_for_fwd_loss_bwd_graph = remat_using_tags_for_fwd_loss_bwd_graph
+    return True
