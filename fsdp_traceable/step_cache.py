@@ -6,8 +6,10 @@ without compiling: :func:`compile_step`'s ``cache_dir``.
 the step's Dynamo bytecode, guards and compiled graph as one object that
 ``save_compiled_function`` writes and ``torch.compiler.load_compiled_function`` reads back
 in another process: no Dynamo trace, no AOTAutograd, no Inductor compile, so a restart
-reaches its first step in the time it takes to load the kernels. The model the step closes
-over is not saved: the new process's model is handed in at load (``external_data``).
+reaches its first step in the time it takes to load the kernels (on CPU without probing
+the host's vector ISAs again where the saving process's probe applies: see [Note: the
+CPU vector ISA probe]). The model the step closes over is not saved: the new process's
+model is handed in at load (``external_data``).
 
 Dynamo's guards on that model (its modules, the groups' settings, the parameters) cannot
 be saved, so only the guards on the step's arguments and on global state are kept, and the
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import config
+from . import config, cpu_isa_probe
 from .tracing import forward_regions_enabled
 
 log = logging.getLogger(__name__)
@@ -235,6 +237,8 @@ def _load(path: pathlib.Path, step: Callable[..., Any], modules: dict[str, nn.Mo
     if not _sources_unchanged(json.loads(sources.read_text())):
         log.debug("whole step at %s: the code it inlined changed", path)
         return None
+    # The CPU kernels it loads would make this process probe the host's vector ISAs.
+    cpu_isa_probe.trust_saved_probe(path.with_suffix(".isa.json"))
     try:
         with path.open("rb") as file:
             compiled = torch.compiler.load_compiled_function(
@@ -248,8 +252,10 @@ def _load(path: pathlib.Path, step: Callable[..., Any], modules: dict[str, nn.Mo
 
 
 def _save(compiled: Any, path: pathlib.Path, modules: dict[str, nn.Module]) -> None:
-    """Writes the step and its inlined sources' checksums, each atomically."""
+    """Writes the step, its inlined sources' checksums and (on CPU) the outcome of the
+    host's vector ISA probe (see [Note: the CPU vector ISA probe])."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    cpu_isa_probe.save_probe(path.with_suffix(".isa.json"))
     _atomic_write(path.with_suffix(".sources.json"),
                   json.dumps(_source_checksums(compiled)).encode())
     compiled.save_compiled_function(str(path), external_data=modules)

@@ -20,7 +20,7 @@ ROOT = Path(fsdp_traceable.__file__).parent
 # the first name under the package (a base module's own name, or a subpackage).
 LAYERS: list[tuple[str, ...]] = [
     ("config", "sizes", "tracing", "fx_ops", "region_schedule", "_torch_patches", "profiler_labels",
-     "_source_tree"),
+     "_source_tree", "cpu_isa_probe"),
     ("triton_kernels",),  # the top-level triton_kernels/ folder, imported under the package
     ("collectives",),
     ("backward_regions",),

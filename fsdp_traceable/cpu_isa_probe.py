@@ -1,0 +1,92 @@
+"""Inductor's probe of the host's CPU vector instruction sets, recorded where a step is
+saved and trusted where the same host loads it.
+
+[Note: the CPU vector ISA probe]
+Before the first C++ kernel of a process loads (a saved step's CPU kernels included),
+Inductor decides which vector ISAs the host runs (``cpu_vec_isa.valid_vec_isa_list``):
+for each one the CPU advertises, it builds a test library and loads it in a child
+Python process, about a second in all. A restarted process that loads a saved step
+compiles nothing, so that probe is most of its first step on CPU. The saving process
+ran the same probe: its outcome is written next to the saved step, and a loading
+process whose CPU advertises exactly the same instruction sets, and for which the probe
+had found every advertised set usable, takes that outcome instead of probing
+(``config.cpp.vec_isa_ok`` while the list is first computed; the list is then kept for
+the process, as the probe's is). Anything else (another CPU, a set the probe rejected,
+``TORCHINDUCTOR_VEC_ISA_OK`` set, another architecture, a torch without these
+functions) probes as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import platform
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _probe_api() -> Any | None:
+    """Inductor's ``cpu_vec_isa`` module where it has what this module reads, on x86."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return None
+    needed = ("valid_vec_isa_list", "supported_vec_isa_list", "x86_isa_checker")
+    if not all(hasattr(cpu_vec_isa, name) for name in needed):
+        return None
+    if not hasattr(cpu_vec_isa.valid_vec_isa_list, "cache_info"):
+        return None
+    return cpu_vec_isa
+
+
+def _advertised(cpu_vec_isa: Any) -> list[str]:
+    """The ISAs whose every flag this CPU advertises (what the probe then tests)."""
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in flags for flag in str(isa).split())]
+
+
+def save_probe(path: pathlib.Path) -> bool:
+    """Writes this process's probe outcome to ``path`` if the probe ran here.
+
+    Returns:
+        Whether it was written.
+    """
+    cpu_vec_isa = _probe_api()
+    if cpu_vec_isa is None or not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        return False
+    record = {"advertised": _advertised(cpu_vec_isa),
+              "valid": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]}
+    path.write_text(json.dumps(record))
+    return True
+
+
+def trust_saved_probe(path: pathlib.Path) -> bool:
+    """Takes the saved probe outcome at ``path`` for this process where it applies (see
+    [Note: the CPU vector ISA probe]).
+
+    Returns:
+        Whether this process's ISA list now comes from the saved outcome.
+    """
+    cpu_vec_isa = _probe_api()
+    if (cpu_vec_isa is None or not path.is_file()
+            or torch._inductor.config.cpp.vec_isa_ok is not None
+            or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize):
+        return False
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    advertised = _advertised(cpu_vec_isa)
+    if record.get("advertised") != advertised or record.get("valid") != advertised:
+        return False
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        trusted = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    log.debug("CPU vector ISAs %s taken from %s, not probed", trusted, path)
+    return trusted == advertised

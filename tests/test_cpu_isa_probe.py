@@ -1,0 +1,55 @@
+"""The host's CPU vector ISA probe, recorded by a saving process and taken by a loading
+one (``fsdp_traceable/cpu_isa_probe.py``), against Inductor's own probe."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from fsdp_traceable import cpu_isa_probe
+
+cpu_vec_isa = cpu_isa_probe._probe_api()
+pytestmark = pytest.mark.skipif(cpu_vec_isa is None, reason="Inductor probes vector ISAs on x86 only")
+
+
+@pytest.fixture
+def probed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> tuple[pathlib.Path, list[str]]:
+    """The process's ISA list saved as a saving process saves its probe outcome; then the
+    list forgotten and Inductor left to probe (the suite sets ``TORCHINDUCTOR_VEC_ISA_OK``),
+    with any probe failing the test. The list is restored after it."""
+    valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    path = tmp_path / "step.isa.json"
+    assert cpu_isa_probe.save_probe(path)
+    assert json.loads(path.read_text())["valid"] == valid
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+    def probe(self: object, code: str) -> bool:
+        raise AssertionError("the host's vector ISAs were probed")
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", probe)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
+        yield path, valid
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == valid
+
+
+def test_a_loading_process_takes_the_saved_outcome_instead_of_probing(probed) -> None:
+    path, valid = probed
+    if valid != cpu_isa_probe._advertised(cpu_vec_isa):
+        pytest.skip("the probe rejected an instruction set this CPU advertises")
+    assert cpu_isa_probe.trust_saved_probe(path)
+    assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == valid
+
+
+def test_another_cpu_or_a_rejected_set_is_probed_again(probed) -> None:
+    path, valid = probed
+    record = json.loads(path.read_text())
+    for changed in ({**record, "advertised": record["advertised"] + ["avx1024"]},
+                    {**record, "valid": record["valid"][1:]}):
+        path.write_text(json.dumps(changed))
+        assert not cpu_isa_probe.trust_saved_probe(path)
+        assert not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+    assert not cpu_isa_probe.trust_saved_probe(path.with_name("missing.json"))
