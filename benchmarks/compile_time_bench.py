@@ -22,9 +22,10 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 * ``ours-step-regions``: ``ours-step`` with forward regions (the default on torch 2.13+):
   each block's forward one call of a shared nested compile region (traced and compiled
   once; the collectives moved across the region calls for overlap);
-* ``ours-step-saved``: ``ours-step`` with ``compile_step(cache_dir=...)`` (in the cache
-  directory): the first process compiles the step ahead of its first call and saves it,
-  a restarted one (``--warm``) loads it without compiling;
+* ``ours-step-saved``: the default whole step (forward regions where torch has them)
+  with ``compile_step(cache_dir=...)`` (in the cache directory): the first process
+  compiles the step ahead of its first call and saves it, a restarted one (``--warm``)
+  loads it without compiling;
 * ``unsharded-whole``: the same model unsharded, whole-model compile + compiled autograd;
 * ``unsharded-step``: the same model unsharded, its whole step by ``compile_step``;
 * ``fsdp2-blocks``: torch FSDP2 with ``block.compile()`` per block (its hooks run
@@ -116,7 +117,9 @@ def _child(config: str, layers: int, dim: int, steps: int,
         if config.startswith("ours"):
             shard_transformer(model, fsdp_traceable.fully_shard)
             fsdp_traceable.config.backward_regions = config != "ours-blocks-pasted"
-            fsdp_traceable.config.forward_regions = config == "ours-step-regions"
+            # ours-step traces every block inline; ours-step-saved keeps the default.
+            fsdp_traceable.config.forward_regions = {
+                "ours-step": False, "ours-step-regions": True}.get(config)
         elif config.startswith("fsdp2"):
             shard_transformer(model, fsdp2_fully_shard)
         loss_fn = model.loss
