@@ -1,6 +1,7 @@
 """Every change this package makes to torch itself, in one place: this package, one
 module per area of torch (``dtensor``, ``device_mesh``, ``checkpoint_warning``,
-``compiled_autograd``, ``whole_step_recompute``, ``regions``).
+``compiled_autograd``, ``whole_step_recompute``, ``regions``; ``wrapping``: how a patch
+replaces a torch function).
 
 [Note: torch patches]
 Each patch below works around one torch behaviour that has no public switch. Each

@@ -3,13 +3,15 @@ call's schema built once."""
 
 from __future__ import annotations
 
-import functools
 import operator
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from .wrapping import wrap_once
 
 
 class _Linked(torch.autograd.Function):
@@ -75,39 +77,35 @@ def link_stamped_out_regions() -> bool:
         from torch._dynamo.variables import invoke_subgraph as dynamo_invoke_subgraph
     except ImportError:
         return False
-    current = getattr(dynamo_invoke_subgraph, "stamp_out_subgraph", None)
-    if current is None:
-        return False
-    if getattr(current, "_fsdp_traceable_links", False):
-        return True
-
     def fakes(node: fx.Node) -> list:
         return [a.meta.get("example_value") if isinstance(a, fx.Node) else a
                 for a in node.args[2:]]
 
-    @functools.wraps(current)
-    def stamp_out_subgraph(tx: Any, fingerprint: Any, cached: Any) -> Any:
-        result = current(tx, fingerprint, cached)
-        calls = [n for n in tx.output.current_tracer.graph.nodes
-                 if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph
-                 and n.args[0].target == cached.body_name]
-        traced, stamped = calls[0], calls[-1]
-        reached = _reached_inputs(traced.meta["example_value"], fakes(traced))
-        inputs = fakes(stamped)
-        outputs = list(stamped.meta["example_value"])
-        with tx.fake_mode, torch.enable_grad():
-            for index, output in enumerate(outputs):
-                if output.requires_grad and reached[index]:
-                    outputs[index] = _Linked.apply(output, *(inputs[i] for i in reached[index]))
-        stamped.meta["example_value"] = tuple(outputs)
-        for user in stamped.users:
-            if user.target is operator.getitem:
-                user.meta["example_value"] = outputs[user.args[1]]
-        return result
+    def link(current: Callable[..., Any]) -> Callable[..., Any]:
+        def stamp_out_subgraph(tx: Any, fingerprint: Any, cached: Any) -> Any:
+            result = current(tx, fingerprint, cached)
+            calls = [n for n in tx.output.current_tracer.graph.nodes
+                     if n.op == "call_function"
+                     and n.target is torch.ops.higher_order.invoke_subgraph
+                     and n.args[0].target == cached.body_name]
+            traced, stamped = calls[0], calls[-1]
+            reached = _reached_inputs(traced.meta["example_value"], fakes(traced))
+            inputs = fakes(stamped)
+            outputs = list(stamped.meta["example_value"])
+            with tx.fake_mode, torch.enable_grad():
+                for index, output in enumerate(outputs):
+                    if output.requires_grad and reached[index]:
+                        outputs[index] = _Linked.apply(
+                            output, *(inputs[i] for i in reached[index]))
+            stamped.meta["example_value"] = tuple(outputs)
+            for user in stamped.users:
+                if user.target is operator.getitem:
+                    user.meta["example_value"] = outputs[user.args[1]]
+            return result
 
-    stamp_out_subgraph._fsdp_traceable_links = True
-    dynamo_invoke_subgraph.stamp_out_subgraph = stamp_out_subgraph
-    return True
+        return stamp_out_subgraph
+
+    return wrap_once(dynamo_invoke_subgraph, "stamp_out_subgraph", "_fsdp_traceable_links", link)
 
 
 def _schema_key(subgraph: Any, identifier: str | None, operands: tuple) -> tuple | None:
@@ -149,26 +147,21 @@ def memoize_region_schemas() -> bool:
         from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
     except ImportError:
         return False
-    current = getattr(InvokeSubgraphHOP, "gen_schema", None)
-    if current is None:
-        return False
-    if getattr(current, "_fsdp_traceable_memo", False):
-        return True
-    schemas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    def memoize(current: Callable[..., Any]) -> Callable[..., Any]:
+        schemas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    @functools.wraps(current)
-    def gen_schema(self: Any, subgraph: Any, identifier: str | None, *operands: Any) -> Any:
-        graph = getattr(subgraph, "subgraph", subgraph)  # a FunctionalizeCtxWrapper's graph
-        key = _schema_key(subgraph, identifier, operands)
-        if key is None or not isinstance(graph, fx.GraphModule):
-            return current(self, subgraph, identifier, *operands)
-        # Keyed by the graph's code too: a pass that edits the graph recompiles it.
-        key = (graph.code, *key)
-        per_graph = schemas.setdefault(graph, {})
-        if key not in per_graph:
-            per_graph[key] = current(self, subgraph, identifier, *operands)
-        return per_graph[key]
+        def gen_schema(self: Any, subgraph: Any, identifier: str | None, *operands: Any) -> Any:
+            graph = getattr(subgraph, "subgraph", subgraph)  # a FunctionalizeCtxWrapper's graph
+            key = _schema_key(subgraph, identifier, operands)
+            if key is None or not isinstance(graph, fx.GraphModule):
+                return current(self, subgraph, identifier, *operands)
+            # Keyed by the graph's code too: a pass that edits the graph recompiles it.
+            key = (graph.code, *key)
+            per_graph = schemas.setdefault(graph, {})
+            if key not in per_graph:
+                per_graph[key] = current(self, subgraph, identifier, *operands)
+            return per_graph[key]
 
-    gen_schema._fsdp_traceable_memo = True
-    InvokeSubgraphHOP.gen_schema = gen_schema
-    return True
+        return gen_schema
+
+    return wrap_once(InvokeSubgraphHOP, "gen_schema", "_fsdp_traceable_memo", memoize)

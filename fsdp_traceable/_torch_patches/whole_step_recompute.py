@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx as fx
 
 from ..region_schedule import overlap_collectives_across_regions, reroute_region_inputs_to_backward
+from .wrapping import wrap_once
 
 REMAT_PASS_MODULE = (
     "torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass"
@@ -108,21 +110,16 @@ def complete_whole_step_recompute() -> bool:
         module = importlib.import_module(REMAT_PASS_MODULE)
     except ImportError:
         return False
-    current = getattr(module, "remat_using_tags_for_fwd_loss_bwd_graph", None)
-    if current is None:
-        return False
-    if getattr(current, "_fsdp_traceable_completes", False):
-        return True
+    def complete(current: Callable[..., Any]) -> Callable[..., Any]:
+        def remat_using_tags_for_fwd_loss_bwd_graph(gm: fx.GraphModule) -> fx.GraphModule:
+            mark_backward_spans(gm)
+            reroute_region_inputs_to_backward(gm)
+            recompute_views_of_recomputed(gm)
+            gm = current(gm)
+            overlap_collectives_across_regions(gm)
+            return gm
 
-    @functools.wraps(current)
-    def remat_using_tags_for_fwd_loss_bwd_graph(gm: fx.GraphModule) -> fx.GraphModule:
-        mark_backward_spans(gm)
-        reroute_region_inputs_to_backward(gm)
-        recompute_views_of_recomputed(gm)
-        gm = current(gm)
-        overlap_collectives_across_regions(gm)
-        return gm
+        return remat_using_tags_for_fwd_loss_bwd_graph
 
-    remat_using_tags_for_fwd_loss_bwd_graph._fsdp_traceable_completes = True
-    module.remat_using_tags_for_fwd_loss_bwd_graph = remat_using_tags_for_fwd_loss_bwd_graph
-    return True
+    return wrap_once(module, "remat_using_tags_for_fwd_loss_bwd_graph",
+                     "_fsdp_traceable_completes", complete)
