@@ -53,13 +53,15 @@ def _advertised(cpu_vec_isa: Any) -> list[str]:
 
 
 def save_probe(path: pathlib.Path) -> bool:
-    """Writes this process's probe outcome to ``path`` if the probe ran here.
+    """Writes this process's probe outcome to ``path`` if the probe ran here (not when
+    ``config.cpp.vec_isa_ok`` answers for it: that list is no probe's outcome).
 
     Returns:
         Whether it was written.
     """
     cpu_vec_isa = _probe_api()
-    if cpu_vec_isa is None or not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+    if (cpu_vec_isa is None or torch._inductor.config.cpp.vec_isa_ok is not None
+            or not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize):
         return False
     record = {"advertised": _advertised(cpu_vec_isa),
               "valid": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]}

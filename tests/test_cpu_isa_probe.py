@@ -18,19 +18,23 @@ pytestmark = pytest.mark.skipif(cpu_vec_isa is None, reason="Inductor probes vec
 @pytest.fixture
 def probed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> tuple[pathlib.Path, list[str]]:
     """The process's ISA list saved as a saving process saves its probe outcome; then the
-    list forgotten and Inductor left to probe (the suite sets ``TORCHINDUCTOR_VEC_ISA_OK``),
-    with any probe failing the test. The list is restored after it."""
+    list forgotten and Inductor left to probe, with any probe failing the test. The list
+    is restored after it. (The suite sets ``TORCHINDUCTOR_VEC_ISA_OK``, which answers for
+    the probe: nothing is saved then. It is lifted here, the list the suite computed
+    standing for a probe's.)"""
     valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
     path = tmp_path / "step.isa.json"
-    assert cpu_isa_probe.save_probe(path)
-    assert json.loads(path.read_text())["valid"] == valid
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        assert not cpu_isa_probe.save_probe(path) and not path.exists()
 
     def probe(self: object, code: str) -> bool:
         raise AssertionError("the host's vector ISAs were probed")
 
-    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", probe)
     with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
+        assert cpu_isa_probe.save_probe(path)
+        assert json.loads(path.read_text())["valid"] == valid
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", probe)
         yield path, valid
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
     assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == valid
