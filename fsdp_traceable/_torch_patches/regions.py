@@ -77,6 +77,7 @@ def link_stamped_out_regions() -> bool:
         from torch._dynamo.variables import invoke_subgraph as dynamo_invoke_subgraph
     except ImportError:
         return False
+
     def fakes(node: fx.Node) -> list:
         return [a.meta.get("example_value") if isinstance(a, fx.Node) else a
                 for a in node.args[2:]]
@@ -147,6 +148,7 @@ def memoize_region_schemas() -> bool:
         from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
     except ImportError:
         return False
+
     def memoize(current: Callable[..., Any]) -> Callable[..., Any]:
         schemas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -187,7 +187,7 @@ class ParamGroup:
             self._set_state(GroupState.SHARDED)
             self.params.unbind()
         with phase("reshard", self.name):
-            group_all_gather.complete_all_gather(self._eager.take_prefetched()[0])
+            self._finish_prefetch()
             self._eager.drop_unsharded()
 
     def reset_iter_state(self) -> None:
@@ -223,10 +223,10 @@ class ParamGroup:
                 # As FSDP2's finalize_backward: a backward prefetch this backward did not
                 # use (its module's backward read no parameter) is waited for at the
                 # backward's end, not carried, buffer and all, into the next step.
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    self._complete_unused_prefetch)
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_prefetch)
 
-    def _complete_unused_prefetch(self) -> None:
+    def _finish_prefetch(self) -> None:
+        """Waits for the prefetched all-gather, if one is in flight, and drops it unused."""
         group_all_gather.complete_all_gather(self._eager.take_prefetched()[0])
 
     @property
