@@ -1,7 +1,7 @@
 """Every change this package makes to torch itself, in one place: this package, one
 module per area of torch (``dtensor``, ``device_mesh``, ``checkpoint_warning``,
-``compiled_autograd``, ``whole_step_recompute``, ``regions``; ``wrapping``: how a patch
-replaces a torch function).
+``compiled_autograd``, ``whole_step_recompute``, ``regions``, ``autograd_function``;
+``wrapping``: how a patch replaces a torch function).
 
 [Note: torch patches]
 Each patch below works around one torch behaviour that has no public switch. Each
@@ -14,9 +14,9 @@ a problem, so that test fails, and says the patch can go, once torch fixes it.
 Where they are applied (unchanged from before they moved here):
 
 * :func:`skip_dtensor_unflatten_frames`, :func:`drop_context_fn_warning`,
-  :func:`shard_uneven_new_empty_strided`: on import of ``fsdp_traceable``
-  (``fsdp/autograd_bridge.py``, whose autograd boundary, recompute region and sharded
-  gradients meet them).
+  :func:`shard_uneven_new_empty_strided`, :func:`trust_fresh_outputs`: on import of
+  ``fsdp_traceable`` (``fsdp/autograd_bridge.py``, whose autograd boundary, recompute
+  region and sharded gradients meet them).
 * :func:`drop_mesh_hash_from_pickles`: on every ``fully_shard`` call.
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
@@ -29,6 +29,7 @@ No module outside this package may assign to, wrap or filter anything of torch's
 
 from __future__ import annotations
 
+from .autograd_function import fresh_outputs, trust_fresh_outputs
 from .checkpoint_warning import (
     CONTEXT_FN_WARNING,
     CONTEXT_FN_WARNING_LOGGER,
@@ -48,9 +49,11 @@ __all__ = [
     "drop_context_fn_warning",
     "drop_mesh_hash_from_pickles",
     "extract_bw_module_exists",
+    "fresh_outputs",
     "link_stamped_out_regions",
     "memoize_region_schemas",
     "rewrite_aot_backwards",
     "shard_uneven_new_empty_strided",
     "skip_dtensor_unflatten_frames",
+    "trust_fresh_outputs",
 ]

@@ -21,11 +21,13 @@ if TYPE_CHECKING:
     from .group_settings import GroupSettings
 
 # See [Note: torch patches]: the sharded gradients a compiled backward returns are
-# wrapped back into DTensors in a frame Dynamo must not compile on its own, and the
-# recompute region below makes torch log a warning that does not apply to it.
+# wrapped back into DTensors in a frame Dynamo must not compile on its own, the
+# recompute region below makes torch log a warning that does not apply to it, and
+# Dynamo need not compare the all-gather's outputs with its inputs.
 _torch_patches.skip_dtensor_unflatten_frames()
 _torch_patches.drop_context_fn_warning()
 _torch_patches.shard_uneven_new_empty_strided()
+_torch_patches.trust_fresh_outputs()
 
 
 class UnshardingGroup(Protocol):
@@ -102,6 +104,7 @@ class UnshardParams(torch.autograd.Function):
     """
 
     @staticmethod
+    @_torch_patches.fresh_outputs  # the all-gather's outputs, never an input
     def forward(ctx, group: UnshardingGroup, accumulated_indices: tuple[int, ...],
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group

@@ -125,41 +125,50 @@ def structure_key(module_id: int) -> int | None:
     return _structure_ids.setdefault(tuple(parts), len(_structure_ids))
 
 
-def _argument_key(value: Any) -> Any:
-    """A constant describing ``value`` (an argument of the forward), or ``None`` when it
-    holds anything but tensors, plain constants and tuples, lists and dicts of them."""
-    if isinstance(value, torch.Tensor):
-        return _tensor_key(value)
-    if isinstance(value, _CONSTANT_TYPES):
-        return (type(value).__name__, value)
-    if isinstance(value, (tuple, list)):
-        items = [_argument_key(item) for item in value]
-        return None if None in items else (type(value).__name__, tuple(items))
-    if isinstance(value, dict):
-        items = [(key, _argument_key(item)) for key, item in value.items()]
-        return None if any(item is None for _, item in items) else ("dict", tuple(items))
-    return None
-
-
 @torch._dynamo.assume_constant_result
-def _key_id(signature: tuple) -> int:
-    return _call_ids.setdefault(signature, len(_call_ids))
+def _key_id(signature: tuple, unsharded_count: int, arguments_layout: tuple) -> int:
+    key = _call_ids.setdefault(signature, len(_call_ids))
+    _call_layouts[key] = (unsharded_count, arguments_layout)
+    return key
 
 
 def call_key(module: nn.Module, unsharded: tuple[torch.Tensor, ...], args: tuple,
-             kwargs: dict) -> int | None:
-    """The reuse key of one forward call (traced by Dynamo to a constant), or ``None``
-    when it cannot run as a region."""
+             kwargs: dict) -> tuple[int, tuple[torch.Tensor, ...]] | None:
+    """The reuse key of one forward call (traced by Dynamo to a constant) and the
+    call's flat input tensors (the parameters', then the arguments'), or ``None`` when
+    it cannot run as a region (see [Note: region inputs])."""
     structure = structure_key(id(module))
     if structure is None:
         return None
-    arguments = _argument_key((args, kwargs))
-    if arguments is None:
+    argument_tensors: list[torch.Tensor] = []
+    unsupported: list[str] = []
+    layout = _layout((args, kwargs), [], argument_tensors, unsupported)
+    if unsupported:
         return None
-    key = _key_id((structure, tuple(_tensor_key(t) for t in unsharded), arguments))
+    signature = (structure, tuple(_tensor_key(t) for t in unsharded), layout,
+                 tuple(_tensor_key(t) for t in argument_tensors))
+    key = _key_id(signature, len(unsharded), layout)
     # ``+ 0``: a fresh constant. Dynamo gives the call's result a source it cannot guard
     # on, and the region's argument checks would try to.
-    return key + 0
+    return key + 0, (*unsharded, *argument_tensors)
+
+
+# [Note: region inputs]
+# torch's regions take their arguments as a pytree, which Dynamo flattens with
+# torch's pytree code on every call (a few thousand bytecodes per block), unless every
+# argument is already a tensor, a constant or a module. So a region is called with
+# the key, the module and one flat tuple of tensors: the unsharded parameters, then
+# each distinct tensor of the forward's arguments. The arguments' layout (their
+# containers and constants, which tensor goes where: the layout of [Note: region
+# outputs]) is part of the key and recorded with it; the region's body rebuilds the
+# arguments from it. Only tensors, plain constants, and tuples, lists and dicts of them
+# have a layout: a forward called with anything else runs inline.
+_call_layouts: dict[int, tuple[int, tuple]] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _recorded_call_layout(key: int) -> tuple[int, tuple]:
+    return _call_layouts[key]
 
 
 def _key_of(key: int, *_: Any) -> int:
@@ -177,20 +186,6 @@ def _key_of(key: int, *_: Any) -> int:
 _output_layouts: dict[int, tuple] = {}
 
 
-def _input_tensors(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors in ``value`` (a call's inputs: tensors, constants and tuples, lists
-    and dicts of them), in order."""
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _input_tensors(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _input_tensors(item, found)
-    return found
-
-
 def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor],
             unsupported: list[str]) -> tuple:
     """The layout of the output ``value``, appending to ``returned`` the tensors the
@@ -206,7 +201,8 @@ def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor]
         returned.append(value)
         return ("tensor", len(returned) - 1)
     if isinstance(value, _CONSTANT_TYPES):
-        return ("constant", value)
+        # With its type: ``1``, ``1.0`` and ``True`` are equal keys, not equal arguments.
+        return ("constant", (type(value).__name__, value))
     if type(value) in (tuple, list):
         return (type(value).__name__,
                 tuple(_layout(item, inputs, returned, unsupported) for item in value))
@@ -247,7 +243,7 @@ def _rebuild(layout: tuple, returned: tuple[torch.Tensor, ...], inputs: list[tor
     if kind == "input":
         return inputs[content]
     if kind == "constant":
-        return content
+        return content[1]
     if kind == "dict":
         return {key: _rebuild(item, returned, inputs) for key, item in content}
     items = [_rebuild(item, returned, inputs) for item in content]
@@ -258,30 +254,30 @@ def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict],
               ) -> Callable[..., Any]:
     """``body(module, unsharded, args, kwargs)`` (which binds ``unsharded``, runs the
     module's forward and unbinds) as the shared region, called as
-    ``region(key, module, unsharded, args, kwargs)``: calls with equal ``key`` share
-    one trace. The region's arguments may only be tensors, constants and modules."""
+    ``region(call_key(module, unsharded, args, kwargs), module)``: calls with equal keys
+    share one trace."""
     # See [Note: torch patches]: reused calls' outputs connected to their inputs, and
     # each call's schema built once, not by tracing the region again.
     _torch_patches.link_stamped_out_regions()
     _torch_patches.memoize_region_schemas()
 
-    def run_bound(key: int, module: nn.Module, unsharded: tuple[torch.Tensor, ...],
-                  args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
-        # See [Note: region outputs].
-        output = body(module, unsharded, args, kwargs)
+    def run_bound(key: int, module: nn.Module, *inputs: torch.Tensor
+                  ) -> tuple[torch.Tensor, ...]:
+        # See [Note: region inputs] and [Note: region outputs].
+        unsharded_count, arguments_layout = _recorded_call_layout(key)
+        args, kwargs = _rebuild(arguments_layout, inputs[unsharded_count:], ())
+        output = body(module, inputs[:unsharded_count], args, kwargs)
         returned: list[torch.Tensor] = []
         unsupported: list[str] = []
-        layout = _layout(output, _input_tensors((unsharded, args, kwargs), []), returned,
-                         unsupported)
+        layout = _layout(output, list(inputs), returned, unsupported)
         _record_output_layout(key, layout, tuple(unsupported))
         return tuple(returned)
 
     region = torch.compiler.nested_compile_region(run_bound, reuse_hash_fn=_key_of)
 
-    def call(key: int, module: nn.Module, unsharded: tuple[torch.Tensor, ...], args: tuple,
-             kwargs: dict) -> Any:
-        returned = region(key, module, unsharded, args, kwargs)
-        inputs = _input_tensors((unsharded, args, kwargs), [])
+    def call(region_call: tuple[int, tuple[torch.Tensor, ...]], module: nn.Module) -> Any:
+        key, inputs = region_call
+        returned = region(key, module, *inputs)
         return _rebuild(_recorded_output_layout(key), returned, inputs)
 
     return call

@@ -397,15 +397,15 @@ class FSDPModule(TorchFSDPModule):
             if hooks.pre:
                 args, kwargs = hooks.run_pre(self, args, kwargs)
             instance_forward = self.__dict__.get(INSTANCE_FORWARD)
-            region_key = None
+            region_call = None
             if (instance_forward is None and not hooks.pre and not hooks.post
                     and scope.unsharded is not None and forward_regions.forward_regions_in_use()
                     and group.region_eligible):
-                region_key = forward_regions.call_key(self, scope.unsharded, args, kwargs)
-            if region_key is not None:
+                region_call = forward_regions.call_key(self, scope.unsharded, args, kwargs)
+            if region_call is not None:
                 # See [Note: forward regions].
                 group.params.unbind()
-                output = _forward_region(region_key, self, scope.unsharded, args, kwargs)
+                output = _forward_region(region_call, self)
             elif instance_forward is None:
                 output = super().forward(*args, **kwargs)
             else:

@@ -51,11 +51,29 @@ def test_a_module_holding_another_fully_shard_module_has_no_region(fake_world: N
     assert forward_regions.structure_key(id(model)) is None  # the root holds the blocks
 
 
-def test_arguments_key_by_layout_and_value_and_reject_other_objects() -> None:
+def test_calls_key_by_argument_layout_and_value_and_pass_flat_tensors(fake_world: None) -> None:
+    block = shard_transformer(Transformer(CONFIG), fsdp_traceable.fully_shard).layers[0]
+    unsharded = (torch.ones(4),)
+
+    def key(*args: object, **kwargs: object) -> int | None:
+        call = forward_regions.call_key(block, unsharded, args, kwargs)
+        return None if call is None else call[0]
+
     x = torch.ones(2, 3)
-    key = forward_regions._argument_key(((x,), {"mask": None, "scale": 2.0}))
-    assert key == forward_regions._argument_key(((torch.zeros(2, 3),), {"mask": None, "scale": 2.0}))
-    assert key != forward_regions._argument_key(((torch.ones(3, 2),), {"mask": None, "scale": 2.0}))
-    assert key != forward_regions._argument_key(((x,), {"mask": None, "scale": 3.0}))
-    assert key != forward_regions._argument_key(((torch.ones(3, 2).t(),), {"mask": None, "scale": 2.0}))
-    assert forward_regions._argument_key(((x,), {"cache": nn.Identity()})) is None
+    first = key(x, mask=None, scale=2.0)
+    assert first == key(torch.zeros(2, 3), mask=None, scale=2.0)
+    assert first != key(torch.ones(3, 2), mask=None, scale=2.0)
+    assert first != key(torch.ones(3, 2).t(), mask=None, scale=2.0)
+    assert first != key(x, mask=None, scale=3.0)
+    assert first != key(x, mask=None, scale=2)  # equal values, another type
+    assert key(x, cache=nn.Identity()) is None
+    # The region gets one flat tuple, each distinct tensor once, and rebuilds the rest.
+    y = torch.zeros(1)
+    call = forward_regions.call_key(block, unsharded, (x, [x, 1]), {"y": y, "n": None})
+    assert call is not None
+    call_key, inputs = call
+    assert len(inputs) == 3 and inputs[0] is unsharded[0] and inputs[1] is x and inputs[2] is y
+    count, layout = forward_regions._recorded_call_layout(call_key)
+    args, kwargs = forward_regions._rebuild(layout, inputs[count:], ())
+    assert args[0] is x and args[1][0] is x and args[1][1] == 1 and type(args[1]) is list
+    assert kwargs == {"y": y, "n": None} and kwargs["y"] is y
