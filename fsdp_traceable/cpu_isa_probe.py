@@ -14,10 +14,17 @@ had found every advertised set usable, takes that outcome instead of probing
 the process, as the probe's is). Anything else (another CPU, a set the probe rejected,
 ``TORCHINDUCTOR_VEC_ISA_OK`` set, another architecture, a torch without these
 functions) probes as usual.
+
+``vec_isa_ok`` does not answer for the sets' extensions (AVX-512 BF16, AMX FP16, and
+VNNI itself): Inductor still loads a test library for each in a child process. The
+saved outcome records them too; where the saving process found every one usable, the
+loading process answers those load checks yes (``_torch_patches.isa_load_checks_answered``)
+and checks, once the list is computed, that it found the same extensions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
@@ -26,7 +33,12 @@ from typing import Any
 
 import torch
 
+from . import _torch_patches
+
 log = logging.getLogger(__name__)
+
+# The extensions Inductor's ISA objects record, by attribute.
+_EXTENSIONS = ("_is_avx512_bf16_supported", "_is_amx_fp16_supported")
 
 
 def _probe_api() -> Any | None:
@@ -52,6 +64,12 @@ def _advertised(cpu_vec_isa: Any) -> list[str]:
             if all(flag in flags for flag in str(isa).split())]
 
 
+def _extensions(isas: list[Any]) -> dict[str, dict[str, bool]]:
+    """Per ISA, the extensions the probe found it has (what its objects record)."""
+    return {str(isa): {name: bool(getattr(isa, name)) for name in _EXTENSIONS
+                       if hasattr(isa, name)} for isa in isas}
+
+
 def save_probe(path: pathlib.Path) -> bool:
     """Writes this process's probe outcome to ``path`` if the probe ran here (not when
     ``config.cpp.vec_isa_ok`` answers for it: that list is no probe's outcome).
@@ -63,8 +81,9 @@ def save_probe(path: pathlib.Path) -> bool:
     if (cpu_vec_isa is None or torch._inductor.config.cpp.vec_isa_ok is not None
             or not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize):
         return False
-    record = {"advertised": _advertised(cpu_vec_isa),
-              "valid": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]}
+    valid = cpu_vec_isa.valid_vec_isa_list()
+    record = {"advertised": _advertised(cpu_vec_isa), "valid": [str(isa) for isa in valid],
+              "extensions": _extensions(valid)}
     path.write_text(json.dumps(record))
     return True
 
@@ -88,7 +107,15 @@ def trust_saved_probe(path: pathlib.Path) -> bool:
     advertised = _advertised(cpu_vec_isa)
     if record.get("advertised") != advertised or record.get("valid") != advertised:
         return False
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-        trusted = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    extensions = record.get("extensions")
+    all_usable = isinstance(extensions, dict) and all(
+        all(found.values()) for found in extensions.values())
+    with (torch._inductor.config.patch({"cpp.vec_isa_ok": True}),
+          _torch_patches.isa_load_checks_answered() if all_usable else contextlib.nullcontext()):
+        isas = cpu_vec_isa.valid_vec_isa_list()
+    trusted = [str(isa) for isa in isas]
+    if all_usable and _extensions(isas) != extensions:
+        log.warning("CPU vector ISA extensions %s differ from the saved %s (%s)",
+                    _extensions(isas), extensions, path)
     log.debug("CPU vector ISAs %s taken from %s, not probed", trusted, path)
     return trusted == advertised

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -134,3 +136,46 @@ def no_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every collective primitive raises: bad input must be rejected before one starts."""
     for name in ("all_gather", "all_gather_into", "start_reduce_scatter", "all_reduce", "wait"):
         monkeypatch.setattr(comm, name, _fail_collective)
+
+
+def _forget_cpu_isa_probe() -> None:
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    classes, pending = set(), [cpu_vec_isa.VecISA]
+    while pending:
+        cls = pending.pop()
+        classes.add(cls)
+        pending.extend(cls.__subclasses__())
+    for cls in classes:
+        for value in vars(cls).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
+    for isa in cpu_vec_isa.supported_vec_isa_list:
+        for name in ("_is_avx512_bf16_supported", "_is_amx_fp16_supported"):
+            isa.__dict__.pop(name, None)
+
+
+@pytest.fixture
+def forgotten_cpu_isa_probe(monkeypatch: pytest.MonkeyPatch
+                            ) -> Iterator[tuple[list[list[str]], Callable[[], None]]]:
+    """Inductor's CPU vector ISA probe as a new process finds it: nothing computed, no
+    ISA's extension checked (``vec_isa_ok`` unset). Its child processes (test library
+    builds, and the load checks, whose command lines are recorded) succeed without
+    running; yields the load checks and a function forgetting the probe again (as the
+    fixture does after the test)."""
+    from torch._inductor import cpu_vec_isa
+
+    loads: list[list[str]] = []
+
+    def run(command: list[str], *args: object, **kwargs: object) -> subprocess.CompletedProcess:
+        if command[0] == sys.executable:
+            loads.append(command)
+        return subprocess.CompletedProcess(command, 0)
+
+    _forget_cpu_isa_probe()
+    monkeypatch.setattr(cpu_vec_isa.subprocess, "run", run)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
+        yield loads, _forget_cpu_isa_probe
+    monkeypatch.undo()
+    _forget_cpu_isa_probe()

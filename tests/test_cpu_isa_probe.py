@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from fsdp_traceable import cpu_isa_probe
+from fsdp_traceable import _torch_patches, cpu_isa_probe
 
 cpu_vec_isa = cpu_isa_probe._probe_api()
 pytestmark = pytest.mark.skipif(cpu_vec_isa is None, reason="Inductor probes vector ISAs on x86 only")
@@ -57,3 +57,29 @@ def test_another_cpu_or_a_rejected_set_is_probed_again(probed) -> None:
         assert not cpu_isa_probe.trust_saved_probe(path)
         assert not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
     assert not cpu_isa_probe.trust_saved_probe(path.with_name("missing.json"))
+
+
+@pytest.mark.skipif(not _torch_patches.answer_isa_load_checks(),
+                    reason="this torch loads no ISA test library in a child process each time")
+def test_extensions_found_usable_are_not_loaded_again(
+        tmp_path: pathlib.Path, forgotten_cpu_isa_probe) -> None:
+    loads, forget = forgotten_cpu_isa_probe
+    valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # every load succeeds
+    if valid != cpu_isa_probe._advertised(cpu_vec_isa):
+        pytest.skip("the probe rejected an instruction set this CPU advertises")
+    path = tmp_path / "step.isa.json"
+    assert cpu_isa_probe.save_probe(path)
+    record = json.loads(path.read_text())
+    assert record["extensions"] == cpu_isa_probe._extensions(cpu_vec_isa.valid_vec_isa_list())
+    if not any(record["extensions"].values()):
+        pytest.skip("no ISA extension to check on this CPU")
+    # A new process on the same host: no load at all, the same extensions.
+    forget()
+    probed = len(loads)
+    assert cpu_isa_probe.trust_saved_probe(path) and len(loads) == probed
+    assert cpu_isa_probe._extensions(cpu_vec_isa.valid_vec_isa_list()) == record["extensions"]
+    # An extension the saving process could not use: every extension is loaded again.
+    unusable = {isa: dict.fromkeys(found, False) for isa, found in record["extensions"].items()}
+    path.write_text(json.dumps({**record, "extensions": unusable}))
+    forget()
+    assert cpu_isa_probe.trust_saved_probe(path) and len(loads) > probed

@@ -1,7 +1,7 @@
 """Every change this package makes to torch itself, in one place: this package, one
 module per area of torch (``dtensor``, ``device_mesh``, ``checkpoint_warning``,
-``compiled_autograd``, ``whole_step_recompute``, ``regions``, ``autograd_function``;
-``wrapping``: how a patch replaces a torch function).
+``compiled_autograd``, ``whole_step_recompute``, ``regions``, ``autograd_function``,
+``cpu_vec_isa``; ``wrapping``: how a patch replaces a torch function).
 
 [Note: torch patches]
 Each patch below works around one torch behaviour that has no public switch. Each
@@ -23,6 +23,8 @@ Where they are applied (unchanged from before they moved here):
 * :func:`complete_whole_step_recompute`: by :func:`fsdp_traceable.compile_step`.
 * :func:`link_stamped_out_regions`, :func:`memoize_region_schemas`: when the forward
   region is made (``fsdp/forward_regions.region_of``).
+* :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved
+  step's CPU ISA probe outcome is taken (``cpu_isa_probe.trust_saved_probe``).
 
 No module outside this package may assign to, wrap or filter anything of torch's.
 """
@@ -36,6 +38,7 @@ from .checkpoint_warning import (
     drop_context_fn_warning,
 )
 from .compiled_autograd import extract_bw_module_exists, rewrite_aot_backwards
+from .cpu_vec_isa import answer_isa_load_checks, isa_load_checks_answered
 from .device_mesh import drop_mesh_hash_from_pickles
 from .dtensor import shard_uneven_new_empty_strided, skip_dtensor_unflatten_frames
 from .regions import link_stamped_out_regions, memoize_region_schemas
@@ -45,11 +48,13 @@ __all__ = [
     "CONTEXT_FN_WARNING",
     "CONTEXT_FN_WARNING_LOGGER",
     "REMAT_PASS_MODULE",
+    "answer_isa_load_checks",
     "complete_whole_step_recompute",
     "drop_context_fn_warning",
     "drop_mesh_hash_from_pickles",
     "extract_bw_module_exists",
     "fresh_outputs",
+    "isa_load_checks_answered",
     "link_stamped_out_regions",
     "memoize_region_schemas",
     "rewrite_aot_backwards",
