@@ -310,3 +310,25 @@ def test_forward_regions_name_the_switch_for_an_output_they_cannot_return(
     assert fsdp_traceable.config.forward_regions is None
     with pytest.raises(Exception, match=message):
         fsdp_traceable.compile_step(step, backend="aot_eager")(torch.randn(2, 8))
+
+
+def test_side_effect_records_are_kept_only_where_something_reads_them(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_traceable.whole_step import _unread_side_effect_records
+
+    def policy() -> str:
+        with _unread_side_effect_records():
+            return torch._dynamo.config.side_effect_replay_policy
+
+    for variable in ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_COMPILE_DEBUG"):
+        monkeypatch.delenv(variable, raising=False)
+    assert policy() == "silent"
+    torch._logging.set_logs(side_effects=True)
+    try:
+        assert policy() == "info"
+    finally:
+        torch._logging.set_logs()
+    with torch._dynamo.config.patch(side_effect_replay_policy="warn"):
+        assert policy() == "warn"
+    monkeypatch.setenv("TORCH_TRACE", str(tmp_path))
+    assert policy() == "info"

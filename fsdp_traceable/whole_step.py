@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
@@ -89,6 +90,34 @@ def _is_region_aliasing(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _structured_trace_on() -> bool:
+    """Whether torch writes its structured trace (tlparse's input) in this process."""
+    handler = getattr(torch._logging._internal, "LOG_TRACE_HANDLER", None)
+    return (getattr(handler, "root_dir", None) is not None
+            or bool(os.environ.get("TORCH_TRACE") or os.environ.get("TORCH_DTRACE"))
+            or os.environ.get("TORCH_COMPILE_DEBUG") == "1")
+
+
+def _unread_side_effect_records() -> contextlib.AbstractContextManager:
+    """Dynamo keeps no record of the side effects it replays that nothing would read.
+
+    Under its default policy (``side_effect_replay_policy="info"``) Dynamo captures the
+    user stack of every mutation it replays (every group's state, every block's) and
+    formats each into a message for ``TORCH_LOGS="side_effects"`` and the structured
+    trace: measured, 1.3 s of 8.1 s of Dynamo at 16 blocks (``aot_eager``, two paired
+    runs). Where neither is on and the policy is the default, the step traces under
+    ``"silent"``, which replays the same side effects without those records.
+    """
+    dynamo_config = torch._dynamo.config
+    if getattr(dynamo_config, "side_effect_replay_policy", None) != "info":
+        return contextlib.nullcontext()
+    side_effects_log = torch._logging.getArtifactLogger("torch._dynamo.side_effects",
+                                                        "side_effects")
+    if side_effects_log.isEnabledFor(logging.DEBUG) or _structured_trace_on():
+        return contextlib.nullcontext()
+    return dynamo_config.patch(side_effect_replay_policy="silent")
 
 
 def _check_forward_regions() -> None:
@@ -182,6 +211,7 @@ def compile_step(
         stack = contextlib.ExitStack()
         stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
         stack.enter_context(_cacheable_functions())
+        stack.enter_context(_unread_side_effect_records())
         stack.enter_context(_region_errors_name_the_switch())
         return stack
 
