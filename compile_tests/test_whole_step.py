@@ -314,10 +314,11 @@ def test_forward_regions_name_the_switch_for_an_output_they_cannot_return(
 
 def test_side_effect_records_are_kept_only_where_something_reads_them(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_traceable.whole_step import _unread_side_effect_records
+    from fsdp_traceable.whole_step import _dynamo_settings
 
     def policy() -> str:
-        with _unread_side_effect_records():
+        with torch._dynamo.config.patch(_dynamo_settings()):
+            assert torch._dynamo.config.trace_autograd_ops
             return torch._dynamo.config.side_effect_replay_policy
 
     for variable in ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_COMPILE_DEBUG"):

@@ -100,24 +100,26 @@ def _structured_trace_on() -> bool:
             or os.environ.get("TORCH_COMPILE_DEBUG") == "1")
 
 
-def _unread_side_effect_records() -> contextlib.AbstractContextManager:
-    """Dynamo keeps no record of the side effects it replays that nothing would read.
+def _dynamo_settings() -> dict[str, object]:
+    """The Dynamo config a step traces under (one ``config.patch`` per call).
 
-    Under its default policy (``side_effect_replay_policy="info"``) Dynamo captures the
-    user stack of every mutation it replays (every group's state, every block's) and
-    formats each into a message for ``TORCH_LOGS="side_effects"`` and the structured
-    trace: measured, 1.3 s of 8.1 s of Dynamo at 16 blocks (``aot_eager``, two paired
-    runs). Where neither is on and the policy is the default, the step traces under
-    ``"silent"``, which replays the same side effects without those records.
+    ``trace_autograd_ops``: Dynamo traces ``backward()``. And Dynamo keeps no record of
+    the side effects it replays that nothing would read: under its default policy
+    (``side_effect_replay_policy="info"``) it captures the user stack of every mutation
+    it replays (every group's state, every block's) and formats each into a message for
+    ``TORCH_LOGS="side_effects"`` and the structured trace: measured, 1.3 s of 8.1 s of
+    Dynamo at 16 blocks (``aot_eager``, two paired runs). Where neither is on and the
+    policy is the default, the step traces under ``"silent"``, which replays the same
+    side effects without those records.
     """
-    dynamo_config = torch._dynamo.config
-    if getattr(dynamo_config, "side_effect_replay_policy", None) != "info":
-        return contextlib.nullcontext()
+    settings: dict[str, object] = {"trace_autograd_ops": True}
+    if getattr(torch._dynamo.config, "side_effect_replay_policy", None) != "info":
+        return settings
     side_effects_log = torch._logging.getArtifactLogger("torch._dynamo.side_effects",
                                                         "side_effects")
-    if side_effects_log.isEnabledFor(logging.DEBUG) or _structured_trace_on():
-        return contextlib.nullcontext()
-    return dynamo_config.patch(side_effect_replay_policy="silent")
+    if not (side_effects_log.isEnabledFor(logging.DEBUG) or _structured_trace_on()):
+        settings["side_effect_replay_policy"] = "silent"
+    return settings
 
 
 def _check_forward_regions() -> None:
@@ -209,9 +211,8 @@ def compile_step(
     def tracing() -> contextlib.AbstractContextManager:
         _check_forward_regions()
         stack = contextlib.ExitStack()
-        stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
+        stack.enter_context(torch._dynamo.config.patch(_dynamo_settings()))
         stack.enter_context(_cacheable_functions())
-        stack.enter_context(_unread_side_effect_records())
         stack.enter_context(_region_errors_name_the_switch())
         return stack
 
