@@ -23,6 +23,7 @@ import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp_traceable import cpu_isa_probe
 from fsdp_traceable.collectives import comm
 from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import preload_rank_server
@@ -152,7 +153,7 @@ def _forget_cpu_isa_probe() -> None:
             if hasattr(value, "cache_clear"):
                 value.cache_clear()
     for isa in cpu_vec_isa.supported_vec_isa_list:
-        for name in ("_is_avx512_bf16_supported", "_is_amx_fp16_supported"):
+        for name in cpu_isa_probe._EXTENSIONS:
             isa.__dict__.pop(name, None)
 
 
@@ -160,17 +161,20 @@ def _forget_cpu_isa_probe() -> None:
 def forgotten_cpu_isa_probe(monkeypatch: pytest.MonkeyPatch
                             ) -> Iterator[tuple[list[list[str]], Callable[[], None]]]:
     """Inductor's CPU vector ISA probe as a new process finds it: nothing computed, no
-    ISA's extension checked (``vec_isa_ok`` unset). Its child processes (test library
-    builds, and the load checks, whose command lines are recorded) succeed without
-    running; yields the load checks and a function forgetting the probe again (as the
-    fixture does after the test)."""
+    ISA's extension checked (``vec_isa_ok`` unset). Its load checks (child Python
+    processes loading a test library) are recorded and succeed without running; the
+    test libraries are built as usual (once per cache directory). Yields the load
+    checks' command lines and a function forgetting the probe again (as the fixture
+    does after the test)."""
     from torch._inductor import cpu_vec_isa
 
     loads: list[list[str]] = []
+    real_run = subprocess.run
 
     def run(command: list[str], *args: object, **kwargs: object) -> subprocess.CompletedProcess:
-        if command[0] == sys.executable:
-            loads.append(command)
+        if command[0] != sys.executable:
+            return real_run(command, *args, **kwargs)
+        loads.append(command)
         return subprocess.CompletedProcess(command, 0)
 
     _forget_cpu_isa_probe()
