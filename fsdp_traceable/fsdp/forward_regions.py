@@ -188,9 +188,10 @@ _output_layouts: dict[int, tuple] = {}
 
 def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor],
             unsupported: list[str]) -> tuple:
-    """The layout of the output ``value``, appending to ``returned`` the tensors the
-    region returns for it (an input tensor, or one returned already, is referred to)
-    and to ``unsupported`` the type of anything a layout cannot hold."""
+    """The layout of ``value`` (a call's output, or its arguments with no ``inputs``),
+    appending to ``returned`` the tensors the region returns for it, or takes (an input
+    tensor, or one appended already, is referred to) and to ``unsupported`` the type
+    of anything a layout cannot hold."""
     if isinstance(value, torch.Tensor):
         for i, tensor in enumerate(inputs):
             if value is tensor:
