@@ -29,6 +29,7 @@ import torch
 from . import _torch_patches
 from . import config as fsdp_config
 from .step_cache import PrecompiledStep, precompile_available
+from .traced_optimizer import TracedOptimizer
 from .tracing import forward_regions_enabled, regions_available
 
 __all__ = ["compile_step", "dynamo_traces_backward_into_dtensors"]
@@ -140,6 +141,7 @@ def compile_step(
     options: dict[str, Any] | None = None,
     dynamic: bool | None = None,
     cache_dir: str | os.PathLike | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Callable[_P, _R]:
     """Compiles a whole training step, forward, loss and ``loss.backward()``, into one graph.
 
@@ -148,8 +150,9 @@ def compile_step(
     returns what it likes (typically the detached loss). Gradients land in ``.grad``
     as DTensors, exactly as in eager; groups with ``reshard_after_forward=True``
     all-gather again in the backward instead of keeping their unsharded parameters.
-    Call ``optimizer.step()`` and ``zero_grad()`` outside ``step`` (torch's optimizers
-    graph-break at ``step()`` on purpose). Compiled with
+    Call ``optimizer.step()`` and ``zero_grad()`` after the compiled step, or pass
+    ``optimizer`` to have them traced into it (torch's optimizers graph-break at
+    ``step()`` on purpose). Compiled with
     ``fullgraph=True``: a graph break is an error, never a silent split. A restarted
     process finds the step in AOTAutograd's and Inductor's caches. With forward
     regions (``fsdp_traceable.config.forward_regions``, on by default from torch 2.13)
@@ -168,12 +171,19 @@ def compile_step(
             (see [Note: precompiled steps]); the step's arguments must then be tensors
             and plain values, and the modules it uses reached from its closure or
             globals.
+        optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW``: the compiled step
+            ends with its ``step()`` and ``zero_grad()`` (``set_to_none``) in the same
+            graph, its learning rate read at every call (a schedule does not
+            recompile; see [Note: the optimizer in the step]). Not with ``cache_dir``.
 
     Returns:
         The compiled step, called as ``step``.
 
     Raises:
-        TypeError: if ``step`` is not callable.
+        TypeError: if ``step`` is not callable, or ``optimizer`` is of another type.
+        ValueError: if ``optimizer`` comes with ``cache_dir``, or has a setting its
+            traced update cannot honour (step hooks, ``differentiable``, SGD's
+            ``dampening`` with momentum).
         RuntimeError: if this torch cannot trace ``backward()`` into DTensor
             parameters (torch 2.11: use ``torch.compile`` with compiled autograd); at a
             call, if ``config.forward_regions`` is ``True`` and this torch cannot key a
@@ -199,6 +209,14 @@ def compile_step(
             "compile_step(cache_dir=...) chooses the guards a saved step keeps: remove "
             "'guard_filter_fn' from options"
         )
+    if cache_dir is not None and optimizer is not None:
+        raise ValueError(
+            "compile_step(optimizer=...) does not save its step: drop cache_dir, or drop "
+            "optimizer and call optimizer.step() after the compiled step"
+        )
+    traced_optimizer = TracedOptimizer(optimizer) if optimizer is not None else None
+    if traced_optimizer is not None:
+        step = _followed_by_update(step, traced_optimizer)
     _torch_patches.complete_whole_step_recompute()
 
     def compile_with(guard_filter_fn: Callable[..., Any] | None = None) -> Any:
@@ -220,6 +238,8 @@ def compile_step(
 
     @functools.wraps(step)
     def compiled_step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if traced_optimizer is not None:
+            traced_optimizer.prepare()
         with tracing():
             return compiled(*args, **kwargs)
 
@@ -228,3 +248,15 @@ def compile_step(
     precompiled = PrecompiledStep(step, cache_dir, compile_fn=compile_with,
                                   tracing_context=tracing, fallback=compiled_step)
     return functools.wraps(step)(precompiled)
+
+
+def _followed_by_update(step: Callable[_P, _R], optimizer: TracedOptimizer) -> Callable[_P, _R]:
+    """``step`` then the optimizer's traced update and ``zero_grad()``, one function."""
+
+    @functools.wraps(step)
+    def step_and_update(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        output = step(*args, **kwargs)
+        optimizer.update()
+        return output
+
+    return step_and_update
