@@ -28,24 +28,28 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def train_each(rank: int, world_size: int, settings: tuple[bool | None, ...],
                backend: str, with_llama: bool) -> dict[Any, dict[str, Any]]:
-    """:func:`train` per ``reshard_after_forward`` setting, and :func:`llama` (key
-    ``"llama"``) if ``with_llama``, in one rank run."""
+    """:func:`train` per ``reshard_after_forward`` setting, with the optimizer traced
+    into the step (key ``"optimizer in step"``), and :func:`llama` (key ``"llama"``) if
+    ``with_llama``, in one rank run."""
     results: dict[Any, dict[str, Any]] = {
         setting: train(rank, world_size, setting, backend) for setting in settings}
+    results["optimizer in step"] = train(rank, world_size, None, backend,
+                                         optimizer_in_step=True)
     if with_llama:
         results["llama"] = llama(rank, world_size, backend)
     return results
 
 
 def train(rank: int, world_size: int, reshard_after_forward: bool | None,
-          backend: str) -> dict[str, Any]:
+          backend: str, optimizer_in_step: bool = False) -> dict[str, Any]:
     """``STEPS`` AdamW steps of the uneven two-block transformer, per library
     (:func:`_train`)."""
     base = uneven_transformer()
     return {name: _train(shard_transformer(copy.deepcopy(base), fully_shard_fn,
                                            reshard_after_forward=reshard_after_forward),
                          lambda model, tokens, targets: model.loss(tokens, targets),
-                         name == "ours", rank, world_size, backend)
+                         name == "ours", rank, world_size, backend,
+                         optimizer_in_step=optimizer_in_step)
             for name, fully_shard_fn in LIBRARIES}
 
 
@@ -68,17 +72,22 @@ def llama(rank: int, world_size: int, backend: str) -> dict[str, Any]:
 
 
 def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_step: bool,
-           rank: int, world_size: int, backend: str, forward_regions: bool = False
-           ) -> dict[str, Any]:
-    """``STEPS`` AdamW steps of ``model``, eagerly or with the whole step compiled.
+           rank: int, world_size: int, backend: str, forward_regions: bool = False,
+           optimizer_in_step: bool = False) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of ``model``, eagerly or with the whole step compiled;
+    ``optimizer_in_step``: under a learning rate halved every step, and compiled with
+    the optimizer's update in the step (``compile_step(optimizer=...)``).
 
     Returns:
-        ``losses``, ``grads`` (first step's local gradients and their placements),
-        ``params`` (final local shards); compiled, also ``frames`` (graphs compiled over
-        all steps), ``graph_breaks`` and ``regions`` (the first graph's region calls and
-        distinct regions).
+        ``losses``, ``grads`` (first step's local gradients and their placements; none
+        with the optimizer in the step, which clears them), ``params`` (final local
+        shards), ``state`` (each parameter's local optimizer state); compiled, also
+        ``frames`` (graphs compiled over all steps), ``graph_breaks`` and ``regions``
+        (the first graph's region calls and distinct regions).
     """
     optimizer = make_optimizer("adamw", model.parameters())
+    schedule = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+                if optimizer_in_step else None)
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_of(model, tokens, targets)
@@ -90,19 +99,27 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
         torch._dynamo.reset()
         counters.clear()
         counter = CompileCounterWithBackend(backend)
-        step = fsdp_traceable.compile_step(step, backend=counter)
+        step = fsdp_traceable.compile_step(
+            step, backend=counter, optimizer=optimizer if optimizer_in_step else None)
     losses, grads = [], {}
     for index in range(STEPS):
         with fsdp_traceable.config.patch(forward_regions=forward_regions):
             loss = step(*batch(index, rank, world_size, UNEVEN))
         losses.append(loss.item())
-        if index == 0:
+        if index == 0 and not (whole_step and optimizer_in_step):
             grads = {n: (type(p.grad).__name__, p.grad.placements, _local(p.grad).clone())
                      for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
+        if not (whole_step and optimizer_in_step):
+            optimizer.step()
+            optimizer.zero_grad()
+        if schedule is not None:
+            schedule.step()
+    names = {p: n for n, p in model.named_parameters()}
     result = {"losses": losses, "grads": grads,
-              "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()}}
+              "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()},
+              "state": {names[p]: {k: _local(v).clone() for k, v in state.items()}
+                        for p, state in optimizer.state.items()},
+              "cleared": all(p.grad is None for p in model.parameters())}
     if counter is not None:
         result["frames"] = counter.frame_count
         result["graph_breaks"] = dict(counters["graph_break"])

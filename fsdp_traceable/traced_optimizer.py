@@ -13,11 +13,15 @@ optimizer's own state tensors and hyperparameters. Before every call, eagerly,
 - creates the state ``step()`` would create on its first call: Adam's and AdamW's by the
   optimizer's own ``_init_group``; SGD's momentum buffer as zeros, which with
   ``dampening=0`` makes the first step's buffer the gradient exactly, as eager's clone;
-- copies each group's ``lr`` into a 0-d float64 tensor, an input of the graph, so a
+- copies each group's ``lr`` into a float64 tensor, an input of the graph, so a
   learning-rate schedule never recompiles (the other hyperparameters are constants of
-  the graph: changing one recompiles, never runs stale);
+  the graph: changing one recompiles, never runs stale). One element, not 0-d: Dynamo
+  reads a 0-d CPU tensor's value as a symbolic float, and the update's uses of it made
+  Dynamo restart the whole step's trace;
 - collects each group's parameters and state tensors again (``load_state_dict``
-  replaces them).
+  replaces them);
+- marks the optimizer stepped for a learning-rate scheduler, as the scheduler's own
+  wrapper of ``step()`` does (``_opt_called``).
 
 The traced :meth:`TracedOptimizer.update` then updates the parameters whose gradient
 the step's backward wrote and sets every parameter's ``.grad`` to ``None``, as
@@ -95,8 +99,9 @@ class TracedOptimizer:
         self._create_missing_state()
         groups = self.optimizer.param_groups
         while len(self._lrs) < len(groups):  # add_param_group
-            self._lrs.append(torch.zeros((), dtype=torch.float64))
+            self._lrs.append(torch.zeros(1, dtype=torch.float64))
         self._plans = [self._plan(group, lr) for group, lr in zip(groups, self._lrs)]
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def update(self) -> None:
         """The update and ``zero_grad()``; traced inside the step, after its backward."""

@@ -1,0 +1,84 @@
+"""``compile_step(step, optimizer=...)``: the optimizer's update and ``zero_grad()``
+traced into the whole step, against the same optimizer stepped eagerly, under a
+learning-rate schedule. The FSDP2 comparison on 2 gloo ranks (AdamW) is in
+``compile_tests/test_whole_step.py``; here SGD's and Adam's other paths on one plain
+model, ``aot_eager``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import fsdp_traceable
+from fsdp_traceable.step_cache import precompile_available
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+
+pytestmark = pytest.mark.skipif(
+    not dynamo_traces_backward_into_dtensors(),
+    reason="this torch's Dynamo cannot trace backward() into DTensor parameters")
+
+STEPS = 3
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4),
+                                torch.nn.Linear(4, 4))
+    model[3].requires_grad_(False)  # frozen: never stepped
+    return model
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-4, amsgrad=True, foreach=True, weight_decay=0.1),
+], ids=["SGD nesterov", "Adam amsgrad foreach"])
+def test_optimizer_in_step_matches_its_eager_step_in_one_graph(
+        make: Callable[..., torch.optim.Optimizer]) -> None:
+    eager_model = _model()
+    model = copy.deepcopy(eager_model)
+    eager, optimizer = make(eager_model.parameters()), make(model.parameters())
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda index: 0.5 ** index)
+                 for o in (eager, optimizer)]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = fsdp_traceable.compile_step(step, backend=counter, optimizer=optimizer)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+        loss = torch.nn.functional.mse_loss(eager_model(x), y)
+        loss.backward()
+        eager.step()
+        eager.zero_grad()
+        torch.testing.assert_close(compiled(x, y), loss.detach(), rtol=0, atol=1e-6)
+        for schedule in schedules:
+            schedule.step()
+    # One graph over every step, the learning rate a different value each time.
+    assert counter.frame_count == 1 and dict(counters["graph_break"]) == {}
+    assert all(param.grad is None for param in model.parameters())
+    for (name, param), theirs in zip(model.named_parameters(), eager_model.parameters()):
+        torch.testing.assert_close(param, theirs, rtol=0, atol=1e-6, msg=name)
+    for param, theirs in zip(model.parameters(), eager_model.parameters()):
+        state, eager_state = optimizer.state.get(param, {}), eager.state.get(theirs, {})
+        assert state.keys() == eager_state.keys()
+        for key, value in eager_state.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.skipif(not precompile_available(), reason="this torch saves no compiled step")
+def test_optimizer_in_step_is_not_saved(tmp_path: object) -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="drop cache_dir"):
+        fsdp_traceable.compile_step(lambda x: model(x).sum().backward(), cache_dir=tmp_path,
+                                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
