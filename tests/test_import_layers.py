@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("triton_kernels",),  # the top-level triton_kernels/ folder, imported under the package
     ("collectives",),
     ("backward_regions",),
-    ("fsdp", "", "whole_step", "step_cache"),  # "": the package's __init__, which re-exports fully_shard
+    # "": the package's __init__, which re-exports fully_shard
+    ("fsdp", "", "whole_step", "step_cache", "traced_optimizer"),
     ("models",),
     ("inspect",),
     ("testing",),
