@@ -34,19 +34,21 @@ from ..models.transformer import Transformer, shard_transformer
 from ..whole_step import dynamo_traces_backward_into_dtensors
 from .launch import resolve_device, run_on_ranks
 from .memory import peak_allocated_bytes
-from .train import TrainArgs, batch_for, forward_backward_of, make_optimizer, mp_policy_for
+from .train import WHOLE_STEP_MODES, TrainArgs, batch_for, forward_backward_of, make_optimizer, mp_policy_for
 
 MODES = (
     "fsdp2-eager", "fsdp2-compile-blocks", "eager", "compile", "compile-ca", "whole-step",
-    "compile-blocks", "compile-blocks-ca", "compute-only", "compute-only-compiled", "comm-only",
+    "whole-step-optim", "compile-blocks", "compile-blocks-ca", "compute-only",
+    "compute-only-compiled", "comm-only",
 )
-_OURS = ("eager", "compile", "compile-ca", "whole-step", "compile-blocks", "compile-blocks-ca",
+_OURS = ("eager", "compile", "compile-ca", *WHOLE_STEP_MODES, "compile-blocks", "compile-blocks-ca",
          "comm-only")
 
 
 def default_modes() -> tuple[str, ...]:
-    """Every mode of ``MODES`` this torch runs (``whole-step`` needs torch 2.12+)."""
-    return tuple(m for m in MODES if m != "whole-step" or dynamo_traces_backward_into_dtensors())
+    """Every mode of ``MODES`` this torch runs (the whole-step modes need torch 2.12+)."""
+    return tuple(m for m in MODES
+                 if m not in WHOLE_STEP_MODES or dynamo_traces_backward_into_dtensors())
 
 
 def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
@@ -73,12 +75,14 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
     forward_backward = forward_backward_of(
         model, compiled_forward=mode in ("compile", "compile-ca", "compute-only-compiled"),
         compiled_autograd=mode in ("compile-ca", "compile-blocks-ca"),
-        whole_step=mode == "whole-step")
+        whole_step=mode in WHOLE_STEP_MODES,
+        optimizer=optimizer if mode == "whole-step-optim" else None)
 
     def step_fn(step: int) -> None:
         forward_backward(*batch_for(args, step, rank, world_size, device))
-        optimizer.step()
-        optimizer.zero_grad()
+        if mode != "whole-step-optim":  # else the step's graph ran it
+            optimizer.step()
+            optimizer.zero_grad()
 
     return step_fn, model
 

@@ -35,7 +35,10 @@ from .data import synthetic_batch
 from .launch import resolve_device, run_on_ranks
 from .pipeline import build_pipeline
 
-MODES = ("eager", "compile", "compile-ca", "whole-step")
+MODES = ("eager", "compile", "compile-ca", "whole-step", "whole-step-optim")
+# The modes compiled as one whole step (:func:`compile_step`); "-optim": with the
+# optimizer's update in the graph.
+WHOLE_STEP_MODES = ("whole-step", "whole-step-optim")
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -71,7 +74,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default=defaults.mode,
                         help="eager (c10d), compile (whole-model torch.compile), compile-ca "
                              "(+ compiled autograd), whole-step (forward, loss and backward "
-                             "as one graph: fsdp_traceable.compile_step)")
+                             "as one graph: fsdp_traceable.compile_step), whole-step-optim "
+                             "(and the optimizer's step in it)")
     parser.add_argument("--backend", choices=BACKENDS, default=defaults.backend,
                         help="torch.compile backend of the compiled modes: inductor, or "
                              "aot_eager / eager to debug the traced graphs without codegen")
@@ -184,6 +188,7 @@ def reference_losses(args: TrainArgs, world_size: int) -> list[float]:
 def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
                         compiled_autograd: bool = False, whole_step: bool = False,
                         forward_backend: Any = "inductor", backward_backend: Any = "inductor",
+                        optimizer: torch.optim.Optimizer | None = None,
                         ) -> Callable[..., torch.Tensor]:
     """``fn(tokens, targets)``: the forward, loss and backward of one step, returning the
     detached loss.
@@ -196,8 +201,11 @@ def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
             excludes the other two.
         forward_backend: the backend of the forward (or the whole step).
         backward_backend: compiled autograd's backend.
+        optimizer: with ``whole_step``, the optimizer whose step and ``zero_grad()``
+            end the compiled step (``compile_step(optimizer=...)``).
     """
     assert not (whole_step and (compiled_forward or compiled_autograd))
+    assert optimizer is None or whole_step
     loss_fn = (torch.compile(model.loss, backend=forward_backend, fullgraph=True)
                if compiled_forward else model.loss)
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -211,7 +219,9 @@ def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
             loss.backward()
         return loss.detach()
 
-    return compile_step(forward_backward, backend=forward_backend) if whole_step else forward_backward
+    if not whole_step:
+        return forward_backward
+    return compile_step(forward_backward, backend=forward_backend, optimizer=optimizer)
 
 
 def _train_rank(args: TrainArgs, result_path: str) -> None:
@@ -222,25 +232,28 @@ def _train_rank(args: TrainArgs, result_path: str) -> None:
     if args.pp > 1:
         pipeline, dp_rank, dp_size = build_pipeline(args.config, args.pp, args.pp, device,
                                                     mp_policy_for(args), args.seed)
-        params, forward_backward = list(pipeline.stage.parameters()), pipeline
+        forward_backward = pipeline
+        optimizer = make_optimizer(args, pipeline.stage.parameters())
         loss_holders = dp_size  # the last stage's ranks
     else:
         # The ranks of one tensor-parallel group (consecutive ranks) train on the same batch.
         dp_rank, dp_size = rank // args.tp, world_size // args.tp
         model = build_model(args, device)
-        params = list(model.parameters())
+        optimizer = make_optimizer(args, model.parameters())
         forward_backward = forward_backward_of(
             model, compiled_forward=args.mode in ("compile", "compile-ca"),
-            compiled_autograd=args.mode == "compile-ca", whole_step=args.mode == "whole-step",
-            forward_backend=forward_counter, backward_backend=backward_counter)
+            compiled_autograd=args.mode == "compile-ca", whole_step=args.mode in WHOLE_STEP_MODES,
+            forward_backend=forward_counter, backward_backend=backward_counter,
+            optimizer=optimizer if args.mode == "whole-step-optim" else None)
         loss_holders = world_size
-    optimizer = make_optimizer(args, params)
+    optimizer_in_step = args.mode == "whole-step-optim"
     losses, step_times = [], []
     for step in range(args.steps):
         start = time.perf_counter()
         loss = forward_backward(*batch_for(args, step, dp_rank, dp_size, device))
-        optimizer.step()
-        optimizer.zero_grad()
+        if not optimizer_in_step:
+            optimizer.step()
+            optimizer.zero_grad()
         mean_loss = (torch.zeros((), device=device) if loss is None
                      else loss.detach().float().clone())
         dist.all_reduce(mean_loss)
@@ -316,7 +329,7 @@ def format_summary(result: dict) -> str:
         f"step time            first {result['step_times_s'][0] * 1e3:.1f} ms, median after "
         f"{steady[len(steady) // 2] * 1e3:.1f} ms",
     ]
-    if args["mode"] == "whole-step":
+    if args["mode"] in WHOLE_STEP_MODES:
         lines.append(
             f"compiled             {result['forward_graphs']} whole-step graph(s), "
             f"{result['graph_breaks']} graph break(s), {result['recompiles']} recompile(s)"

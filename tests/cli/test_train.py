@@ -39,8 +39,10 @@ def test_compiled_autograd_training_reports_graphs() -> None:
 
 
 @pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(), reason="needs torch 2.12+")
-def test_whole_step_training_reports_one_graph() -> None:
-    result = train(TrainArgs(mode="whole-step", backend="aot_eager", steps=3, **TINY))
+@pytest.mark.parametrize("mode", ["whole-step", "whole-step-optim"])
+def test_whole_step_training_reports_one_graph(mode: str) -> None:
+    result = train(TrainArgs(mode=mode, backend="aot_eager", steps=3, **TINY))
+    # whole-step-optim: AdamW's update in the graph, its bias corrections tensor math.
     assert abs(result["final_loss_difference"]) < 1e-5
     assert (result["forward_graphs"], result["graph_breaks"], result["recompiles"]) == (1, 0, 0)
     assert "1 whole-step graph(s), 0 graph break(s), 0 recompile(s)" in format_summary(result)
