@@ -36,7 +36,8 @@ def _model() -> torch.nn.Module:
 @pytest.mark.parametrize("make", [
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
     lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-4, amsgrad=True, foreach=True, weight_decay=0.1),
-], ids=["SGD nesterov", "Adam amsgrad foreach"])
+    lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.01), eps=1e-4, fused=True),
+], ids=["SGD nesterov", "Adam amsgrad foreach", "AdamW fused tensor lr"])
 def test_optimizer_in_step_matches_its_eager_step_in_one_graph(
         make: Callable[..., torch.optim.Optimizer]) -> None:
     eager_model = _model()

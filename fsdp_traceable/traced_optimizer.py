@@ -13,11 +13,12 @@ optimizer's own state tensors and hyperparameters. Before every call, eagerly,
 - creates the state ``step()`` would create on its first call: Adam's and AdamW's by the
   optimizer's own ``_init_group``; SGD's momentum buffer as zeros, which with
   ``dampening=0`` makes the first step's buffer the gradient exactly, as eager's clone;
-- copies each group's ``lr`` into a float64 tensor, an input of the graph, so a
-  learning-rate schedule never recompiles (the other hyperparameters are constants of
-  the graph: changing one recompiles, never runs stale). One element, not 0-d: Dynamo
-  reads a 0-d CPU tensor's value as a symbolic float, and the update's uses of it made
-  Dynamo restart the whole step's trace;
+- copies each group's ``lr`` into a float64 tensor on the parameters' device, an input
+  of the graph, so a learning-rate schedule never recompiles (the other hyperparameters
+  are constants of the graph: changing one recompiles, never runs stale). One element,
+  not 0-d (torch's update squeezes it): Dynamo reads a 0-d CPU tensor's value as a
+  symbolic float, and the update's uses of it made Dynamo restart the whole step's
+  trace;
 - collects each group's parameters and state tensors again (``load_state_dict``
   replaces them);
 - marks the optimizer stepped for a learning-rate scheduler, as the scheduler's own
@@ -25,8 +26,10 @@ optimizer's own state tensors and hyperparameters. Before every call, eagerly,
 
 The traced :meth:`TracedOptimizer.update` then updates the parameters whose gradient
 the step's backward wrote and sets every parameter's ``.grad`` to ``None``, as
-``zero_grad()`` does. The numbers are those of ``torch.compile`` over ``step()``: the
-bias corrections are tensor math in the graph where eager takes them as Python floats
+``zero_grad()`` does. A ``fused=True`` group takes the same traced update (torch's fused
+kernels are not traceable; compiled, the update's kernels are Inductor's either way).
+The numbers are those of ``torch.compile`` over ``step()``: the bias corrections are
+tensor math in the graph where eager takes them as Python floats
 (measured on 2 gloo ranks after 3 AdamW steps: parameters within 4.8e-7 of FSDP2
 eager's with ``aot_eager`` and with Inductor; ``compile_tests/test_whole_step.py`` pins
 1e-5).
@@ -101,7 +104,8 @@ class TracedOptimizer:
         self._create_missing_state()
         groups = self.optimizer.param_groups
         while len(self._lrs) < len(groups):  # add_param_group
-            self._lrs.append(torch.zeros(1, dtype=torch.float64))
+            device = _device_of(groups[len(self._lrs)])
+            self._lrs.append(torch.zeros(1, dtype=torch.float64, device=device))
         self._plans = [self._plan(group, lr) for group, lr in zip(groups, self._lrs)]
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -170,10 +174,7 @@ class TracedOptimizer:
                   sum(len(params) for _, params in missing))
 
     def _plan(self, group: dict[str, Any], lr: torch.Tensor) -> _GroupPlan:
-        if isinstance(group["lr"], torch.Tensor):
-            lr = group["lr"]
-        else:
-            lr.fill_(group["lr"])
+        lr.fill_(float(group["lr"]))  # (a tensor lr too: its own 0-d CPU tensor would restart)
         params = [p for p in group["params"] if p.requires_grad]
         state_names = _state_names(self.optimizer, group)
         state = {name: [self.optimizer.state[p][name] for p in params] for name in state_names}
@@ -195,7 +196,7 @@ class TracedOptimizer:
             adam(params, grads, state["exp_avg"], state["exp_avg_sq"],
                  state.get("max_exp_avg_sq", []), state["step"], foreach=foreach,
                  capturable=settings["capturable"], differentiable=False,
-                 fused=settings["fused"], grad_scale=None, found_inf=None,
+                 fused=False, grad_scale=None, found_inf=None,
                  has_complex=plan.has_complex,
                  decoupled_weight_decay=settings["decoupled_weight_decay"],
                  amsgrad=settings["amsgrad"], beta1=beta1, beta2=beta2, lr=plan.lr,
@@ -203,10 +204,19 @@ class TracedOptimizer:
                  maximize=settings["maximize"])
         else:
             sgd(params, grads, state.get("momentum_buffer", []), has_sparse_grad=False,
-                foreach=settings["foreach"], fused=settings["fused"], grad_scale=None,
+                foreach=settings["foreach"], fused=False, grad_scale=None,
                 found_inf=None, weight_decay=settings["weight_decay"],
                 momentum=settings["momentum"], lr=plan.lr, dampening=settings["dampening"],
                 nesterov=settings["nesterov"], maximize=settings["maximize"])
+
+
+def _device_of(group: dict[str, Any]) -> torch.device:
+    """Where a group's update computes: its parameters' (local) device."""
+    params = group["params"]
+    if not params:
+        return torch.device("cpu")
+    param = params[0]
+    return getattr(param, "_local_tensor", param).device
 
 
 def _state_names(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
