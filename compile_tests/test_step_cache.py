@@ -25,26 +25,32 @@ needs_precompile = pytest.mark.skipif(
 def test_a_restarted_process_loads_the_saved_step_and_ranks_agree(tmp_path: pathlib.Path) -> None:
     from compile_tests import step_cache_cases
 
+    # Each run trains two steps: the optimizer stepped after the compiled step, and
+    # traced into it (the optimizer handed in at load like the model).
     cache_dir = str(tmp_path)
-    first = run_on_local_ranks(step_cache_cases.train, 2, cache_dir)
-    assert [r["source"] for r in first] == ["compiled", "compiled"]
-    # One file per rank and its inlined sources' checksums (and, where the rank ran
-    # Inductor's CPU vector ISA probe, that probe's outcome: see cpu_isa_probe).
-    steps = [name for name in first[0]["saved"] if not name.endswith(".isa.json")]
-    assert len({r["path"] for r in first}) == 2 and len(steps) == 4
+    first = run_on_local_ranks(step_cache_cases.train_both, 2, cache_dir)
+    for kind in ("outside", "in step"):
+        assert [r[kind]["source"] for r in first] == ["compiled", "compiled"], kind
+    # One file per rank and step, and its inlined sources' checksums (and, where the
+    # rank ran Inductor's CPU vector ISA probe, that probe's outcome: see cpu_isa_probe).
+    steps = [name for name in first[0]["in step"]["saved"] if not name.endswith(".isa.json")]
+    assert len({r[kind]["path"] for r in first for kind in r}) == 4 and len(steps) == 8
 
-    # Rank 1's file is damaged: rank 0 could load, but both compile (rank 1 saves again).
-    pathlib.Path(first[1]["path"]).write_bytes(b"not a saved step")
-    again = run_on_local_ranks(step_cache_cases.train, 2, cache_dir)
-    assert [r["source"] for r in again] == ["compiled", "compiled"]
+    # Rank 1's files are damaged: rank 0 could load, but both compile (rank 1 saves again).
+    for kind in ("outside", "in step"):
+        pathlib.Path(first[1][kind]["path"]).write_bytes(b"not a saved step")
+    again = run_on_local_ranks(step_cache_cases.train_both, 2, cache_dir)
+    for kind in ("outside", "in step"):
+        assert [r[kind]["source"] for r in again] == ["compiled", "compiled"], kind
 
-    restarted = run_on_local_ranks(step_cache_cases.train, 2, cache_dir)
-    assert [r["source"] for r in restarted] == ["loaded", "loaded"]
-    assert [r["frames"] for r in restarted] == [0, 0]  # nothing traced or compiled
-    for before, after in zip(first, restarted):
-        assert torch.equal(before["losses"], after["losses"])
-        for a, b in zip(before["shards"], after["shards"]):
-            assert torch.equal(a, b)
+    restarted = run_on_local_ranks(step_cache_cases.train_both, 2, cache_dir)
+    for kind in ("outside", "in step"):
+        assert [r[kind]["source"] for r in restarted] == ["loaded", "loaded"], kind
+        assert [r[kind]["frames"] for r in restarted] == [0, 0], kind  # nothing compiled
+        for before, after in zip(first, restarted):
+            assert torch.equal(before[kind]["losses"], after[kind]["losses"]), kind
+            for a, b in zip(before[kind]["shards"], after[kind]["shards"]):
+                assert torch.equal(a, b), kind
 
 
 @needs_precompile

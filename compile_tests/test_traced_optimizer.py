@@ -7,6 +7,7 @@ model, ``aot_eager``."""
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -15,8 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import fsdp_traceable
-from fsdp_traceable.step_cache import precompile_available
-from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+from fsdp_traceable.whole_step import _followed_by_update, dynamo_traces_backward_into_dtensors
 
 pytestmark = pytest.mark.skipif(
     not dynamo_traces_backward_into_dtensors(),
@@ -77,9 +77,38 @@ def test_optimizer_in_step_matches_its_eager_step_in_one_graph(
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6, msg=key)
 
 
-@pytest.mark.skipif(not precompile_available(), reason="this torch saves no compiled step")
-def test_optimizer_in_step_is_not_saved(tmp_path: object) -> None:
+class _Update:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def update(self) -> None:
+        self.calls += 1
+
+
+def test_the_step_and_update_function_takes_the_steps_own_arguments() -> None:
+    # The compiled function has the step's own parameters (a saved step keeps guards on
+    # them only): every kind passes through, defaults included; its closure holds the
+    # step's module cells themselves.
     model = _model()
-    with pytest.raises(ValueError, match="drop cache_dir"):
-        fsdp_traceable.compile_step(lambda x: model(x).sum().backward(), cache_dir=tmp_path,
-                                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step(x: torch.Tensor, /, scale: float = 2.0, *rest: object, shift: float = 1.0,
+             **extra: object) -> tuple:
+        return model(x).sum() * scale + shift, rest, extra
+
+    update = _Update()
+    combined = _followed_by_update(step, update)
+    x = torch.ones(2, 8)
+    assert inspect.signature(combined) == inspect.signature(step).replace(
+        return_annotation=inspect.Signature.empty, parameters=[
+            p.replace(annotation=inspect.Parameter.empty)
+            for p in inspect.signature(step).parameters.values()])
+    for args, kwargs in [((x,), {}), ((x, 3.0, "a"), {"shift": 0.5, "k": 1})]:
+        assert _same(combined(*args, **kwargs), step(*args, **kwargs))
+    assert update.calls == 2
+    assert dict(zip(combined.__code__.co_freevars, combined.__closure__))["model"] is \
+        step.__closure__[0]
+    assert _followed_by_update(lambda x: model(x), update)(x).shape == (2, 4)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]

@@ -9,7 +9,8 @@ in another process: no Dynamo trace, no AOTAutograd, no Inductor compile, so a r
 reaches its first step in the time it takes to load the kernels (on CPU without probing
 the host's vector ISAs again where the saving process's probe applies: see [Note: the
 CPU vector ISA probe]). The model the step closes over is not saved: the new process's
-model is handed in at load (``external_data``).
+model is handed in at load (``external_data``), and so is its optimizer where the step
+ends with the optimizer's update (``compile_step(optimizer=...)``).
 
 Dynamo's guards on that model (its modules, the groups' settings, the parameters) cannot
 be saved, so only the guards on the step's arguments and on global state are kept, and the
@@ -28,6 +29,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -41,11 +43,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import config, cpu_isa_probe
+from .traced_optimizer import TracedOptimizer
 from .tracing import forward_regions_enabled
 
 log = logging.getLogger(__name__)
 
 _FORMAT = 1
+# The names a step followed by its optimizer's update saves and loads those two under
+# (external data).
+_OPTIMIZER_KEY = "fsdp_traceable.optimizer"
+_STEP_KEY = "fsdp_traceable.step"
 
 
 def precompile_available() -> bool:
@@ -60,27 +67,37 @@ class PrecompiledStep:
     Args:
         step: the training step (see :func:`~fsdp_traceable.compile_step`).
         cache_dir: the folder holding one file per rank and fingerprint.
-        compile_fn: ``compile_fn(guard_filter_fn)`` returns ``torch.compile(step, ...)``
+        compile_fn: ``compile_fn(guard_filter_fn)`` returns ``torch.compile(compiled, ...)``
             with that guard filter, called within the whole-step tracing context.
         tracing_context: the context the step is traced in (``trace_autograd_ops``).
         fallback: the step compiled the usual way, for arguments the saved guards reject
             (e.g. another batch shape).
+        optimizer: the optimizer traced into the step, if any: prepared before every
+            call, handed in at load like the modules, its settings part of the key.
+        compiled: the function ``compile_fn`` compiles: ``step``, or ``step`` followed by
+            the optimizer's update.
     """
 
     def __init__(self, step: Callable[..., Any], cache_dir: str | os.PathLike, *,
                  compile_fn: Callable[[Callable[..., Any]], Any],
-                 tracing_context: Callable[[], Any], fallback: Callable[..., Any]) -> None:
+                 tracing_context: Callable[[], Any], fallback: Callable[..., Any],
+                 optimizer: TracedOptimizer | None = None,
+                 compiled: Callable[..., Any] | None = None) -> None:
         self._step = step
+        self._compiled_function = compiled or step
         self._cache_dir = pathlib.Path(cache_dir)
         self._compile_fn = compile_fn
         self._tracing_context = tracing_context
         self._fallback = fallback
+        self._optimizer = optimizer
         self._compiled: Any = None
         # What the first call did, "loaded" or "compiled", and this rank's file.
         self.source: str | None = None
         self.path: pathlib.Path | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._optimizer is not None:
+            self._optimizer.prepare()
         if self._compiled is None:
             self._compiled = self._load_or_compile(args, kwargs)
         if self._compiled.guard_check(*args, **kwargs):
@@ -88,27 +105,35 @@ class PrecompiledStep:
         return self._fallback(*args, **kwargs)
 
     def _load_or_compile(self, args: tuple, kwargs: dict) -> Any:
-        modules = _closure_modules(self._step)
-        key = fingerprint(self._step, modules, args, kwargs)
+        external = dict(_closure_modules(self._step))
+        key = fingerprint(self._step, external, args, kwargs, optimizer=self._optimizer)
+        if self._optimizer is not None:
+            external[_OPTIMIZER_KEY] = self._optimizer
+            external[_STEP_KEY] = self._step
         path = self.path = self._cache_dir / f"step-{key}.bin"
-        loaded = _load(path, self._step, modules)
+        loaded = _load(path, self._compiled_function, external)
         if _all_ranks_agree(loaded is not None) and loaded is not None:
             self.source = "loaded"
             log.debug("whole step loaded from %s", path)
             return loaded
         with self._tracing_context():
-            compiled = self._compile_fn(_argument_guards(self._step)).aot_compile((args, kwargs))
-        _save(compiled, path, modules)
+            compiled = self._compile_fn(
+                _argument_guards(self._compiled_function)).aot_compile((args, kwargs))
+        _save(compiled, path, external)
         compiled.disable_guard_check()  # __call__ checks once per call
         self.source = "compiled"
         log.debug("whole step compiled and saved to %s", path)
         return compiled
 
 
-def _argument_guards(step: Callable[..., Any]) -> Callable[[list[Any]], list[bool]]:
+def _argument_guards(compiled: Callable[..., Any]) -> Callable[[list[Any]], list[bool]]:
     """The guard filter that keeps what a saved step can check: global state, the shape
-    environment, and guards on the step's own arguments (their shapes and dtypes)."""
-    arguments = set(inspect.signature(step).parameters)
+    environment, and guards on the compiled function's own arguments (their shapes and
+    dtypes), named as its frame names them (``args`` of a ``*args`` wrapper)."""
+    code = compiled.__code__
+    count = (code.co_argcount + code.co_kwonlyargcount
+             + bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS))
+    arguments = set(code.co_varnames[:count])
 
     def keep(entries: list[Any]) -> list[bool]:
         return [entry.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
@@ -133,7 +158,7 @@ def _closure_modules(step: Callable[..., Any]) -> dict[str, nn.Module]:
 
 
 def fingerprint(step: Callable[..., Any], modules: dict[str, nn.Module],
-                args: tuple, kwargs: dict) -> str:
+                args: tuple, kwargs: dict, optimizer: TracedOptimizer | None = None) -> str:
     """The key of a saved step: what the guards dropped at saving stood for.
 
     Args:
@@ -141,12 +166,16 @@ def fingerprint(step: Callable[..., Any], modules: dict[str, nn.Module],
         modules: the modules it closes over, by name.
         args: its positional arguments.
         kwargs: its keyword arguments.
+        optimizer: the optimizer traced into the step, if any.
 
     Returns:
         A hex digest that changes when any of them changes in a way the graph depends on.
     """
     digest = hashlib.sha256()
-    for part in _fingerprint_parts(step, modules, args, kwargs, _package_version()):
+    parts = _fingerprint_parts(step, modules, args, kwargs, _package_version())
+    if optimizer is not None:
+        parts = itertools.chain(parts, [f"optimizer {optimizer.describe()}"])
+    for part in parts:
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:24]
@@ -229,8 +258,9 @@ def _sources_unchanged(checksums: list[list[Any]]) -> bool:
     return True
 
 
-def _load(path: pathlib.Path, step: Callable[..., Any], modules: dict[str, nn.Module]) -> Any:
-    """The saved step at ``path`` if it exists and the code it inlined is unchanged."""
+def _load(path: pathlib.Path, compiled: Callable[..., Any], external: dict[str, object]) -> Any:
+    """The saved step at ``path`` if it exists and the code it inlined is unchanged;
+    ``external``: what it takes from this process (its modules, the traced optimizer)."""
     sources = path.with_suffix(".sources.json")
     if not (path.is_file() and sources.is_file()):
         return None
@@ -241,24 +271,24 @@ def _load(path: pathlib.Path, step: Callable[..., Any], modules: dict[str, nn.Mo
     cpu_isa_probe.trust_saved_probe(path.with_suffix(".isa.json"))
     try:
         with path.open("rb") as file:
-            compiled = torch.compiler.load_compiled_function(
-                file, f_globals=step.__globals__, external_data=modules)
+            loaded = torch.compiler.load_compiled_function(
+                file, f_globals=compiled.__globals__, external_data=external)
     except Exception as err:  # a damaged or foreign file: this rank compiles (and says so)
         log.warning("whole step at %s could not be loaded (%s: %s); compiling it again",
                     path, type(err).__name__, err)
         return None
-    compiled.disable_guard_check()  # PrecompiledStep.__call__ checks once per call
-    return compiled
+    loaded.disable_guard_check()  # PrecompiledStep.__call__ checks once per call
+    return loaded
 
 
-def _save(compiled: Any, path: pathlib.Path, modules: dict[str, nn.Module]) -> None:
+def _save(compiled: Any, path: pathlib.Path, external: dict[str, object]) -> None:
     """Writes the step, its inlined sources' checksums and (on CPU) the outcome of the
     host's vector ISA probe (see [Note: the CPU vector ISA probe])."""
     path.parent.mkdir(parents=True, exist_ok=True)
     cpu_isa_probe.save_probe(path.with_suffix(".isa.json"))
     _atomic_write(path.with_suffix(".sources.json"),
                   json.dumps(_source_checksums(compiled)).encode())
-    compiled.save_compiled_function(str(path), external_data=modules)
+    compiled.save_compiled_function(str(path), external_data=external)
 
 
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:

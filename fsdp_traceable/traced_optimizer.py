@@ -62,7 +62,9 @@ class _GroupPlan:
     hyperparameters: dict[str, Any]  # the group's settings but params and lr
     lr: torch.Tensor
     params: list[torch.Tensor]
-    state: dict[str, list[torch.Tensor]]  # state name -> one tensor per parameter
+    # (state name, one tensor per parameter) pairs: a tuple, not a dict, as Dynamo
+    # guards the key order of a dict the update iterates, which a saved step cannot check.
+    state: tuple[tuple[str, list[torch.Tensor]], ...]
     has_complex: bool
 
 
@@ -108,6 +110,18 @@ class TracedOptimizer:
             self._lrs.append(torch.zeros(1, dtype=torch.float64, device=device))
         self._plans = [self._plan(group, lr) for group, lr in zip(groups, self._lrs)]
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        """What the traced update takes as constants: the optimizer type, and per group
+        its settings but the learning rate and its parameters' layouts (a saved step's
+        key, see ``step_cache``)."""
+        groups = []
+        for group in self.optimizer.param_groups:
+            settings = {name: _value_text(value) for name, value in sorted(group.items())
+                        if name not in ("params", "lr")}
+            layouts = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in group["params"]]
+            groups.append(f"{settings} {layouts}")
+        return f"{type(self.optimizer).__qualname__} {groups}"
 
     def update(self) -> None:
         """The update and ``zero_grad()``; traced inside the step, after its backward."""
@@ -177,7 +191,8 @@ class TracedOptimizer:
         lr.fill_(float(group["lr"]))  # (a tensor lr too: its own 0-d CPU tensor would restart)
         params = [p for p in group["params"] if p.requires_grad]
         state_names = _state_names(self.optimizer, group)
-        state = {name: [self.optimizer.state[p][name] for p in params] for name in state_names}
+        state = tuple((name, [self.optimizer.state[p][name] for p in params])
+                      for name in state_names)
         hyperparameters = {k: v for k, v in group.items() if k not in ("params", "lr")}
         return _GroupPlan(hyperparameters, lr, params, state,
                           has_complex=any(torch.is_complex(p) for p in params))
@@ -186,7 +201,7 @@ class TracedOptimizer:
         settings = plan.hyperparameters
         params = [plan.params[i] for i in with_grad]
         grads = [param.grad for param in params]
-        state = {name: [tensors[i] for i in with_grad] for name, tensors in plan.state.items()}
+        state = {name: [tensors[i] for i in with_grad] for name, tensors in plan.state}
         if isinstance(self.optimizer, _ADAM_FAMILY):
             beta1, beta2 = settings["betas"]
             # A tensor lr needs capturable for the foreach update (torch raises otherwise);
@@ -217,6 +232,10 @@ def _device_of(group: dict[str, Any]) -> torch.device:
         return torch.device("cpu")
     param = params[0]
     return getattr(param, "_local_tensor", param).device
+
+
+def _value_text(value: object) -> str:
+    return repr(value.tolist()) if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _state_names(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:

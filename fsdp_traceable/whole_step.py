@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
@@ -174,16 +176,16 @@ def compile_step(
         optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW``: the compiled step
             ends with its ``step()`` and ``zero_grad()`` (``set_to_none``) in the same
             graph, its learning rate read at every call (a schedule does not
-            recompile; see [Note: the optimizer in the step]). Not with ``cache_dir``.
+            recompile; see [Note: the optimizer in the step]); with ``cache_dir`` its
+            settings are part of the saved step's key.
 
     Returns:
         The compiled step, called as ``step``.
 
     Raises:
         TypeError: if ``step`` is not callable, or ``optimizer`` is of another type.
-        ValueError: if ``optimizer`` comes with ``cache_dir``, or has a setting its
-            traced update cannot honour (step hooks, ``differentiable``, SGD's
-            ``dampening`` with momentum).
+        ValueError: if ``optimizer`` has a setting its traced update cannot honour (step
+            hooks, ``differentiable``, SGD's ``dampening`` with momentum).
         RuntimeError: if this torch cannot trace ``backward()`` into DTensor
             parameters (torch 2.11: use ``torch.compile`` with compiled autograd); at a
             call, if ``config.forward_regions`` is ``True`` and this torch cannot key a
@@ -209,21 +211,16 @@ def compile_step(
             "compile_step(cache_dir=...) chooses the guards a saved step keeps: remove "
             "'guard_filter_fn' from options"
         )
-    if cache_dir is not None and optimizer is not None:
-        raise ValueError(
-            "compile_step(optimizer=...) does not save its step: drop cache_dir, or drop "
-            "optimizer and call optimizer.step() after the compiled step"
-        )
     traced_optimizer = TracedOptimizer(optimizer) if optimizer is not None else None
-    if traced_optimizer is not None:
-        step = _followed_by_update(step, traced_optimizer)
+    compiled_function = (step if traced_optimizer is None
+                         else _followed_by_update(step, traced_optimizer))
     _torch_patches.complete_whole_step_recompute()
 
     def compile_with(guard_filter_fn: Callable[..., Any] | None = None) -> Any:
         step_options = dict(options or {})
         if guard_filter_fn is not None:
             step_options["guard_filter_fn"] = guard_filter_fn
-        return torch.compile(step, fullgraph=True, backend=backend, mode=mode,
+        return torch.compile(compiled_function, fullgraph=True, backend=backend, mode=mode,
                              options=step_options or None, dynamic=dynamic)
 
     def tracing() -> contextlib.AbstractContextManager:
@@ -238,25 +235,71 @@ def compile_step(
 
     @functools.wraps(step)
     def compiled_step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if traced_optimizer is not None:
-            traced_optimizer.prepare()
         with tracing():
             return compiled(*args, **kwargs)
 
-    if cache_dir is None:
+    if cache_dir is not None:
+        precompiled = PrecompiledStep(step, cache_dir, compile_fn=compile_with,
+                                      tracing_context=tracing, fallback=compiled_step,
+                                      optimizer=traced_optimizer, compiled=compiled_function)
+        return functools.wraps(step)(precompiled)
+    if traced_optimizer is None:
         return compiled_step
-    precompiled = PrecompiledStep(step, cache_dir, compile_fn=compile_with,
-                                  tracing_context=tracing, fallback=compiled_step)
-    return functools.wraps(step)(precompiled)
+
+    @functools.wraps(step)
+    def prepared_step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        traced_optimizer.prepare()
+        return compiled_step(*args, **kwargs)
+
+    return prepared_step
 
 
 def _followed_by_update(step: Callable[_P, _R], optimizer: TracedOptimizer) -> Callable[_P, _R]:
-    """``step`` then the optimizer's traced update and ``zero_grad()``, one function."""
+    """``step`` then the optimizer's traced update and ``zero_grad()``, one function.
 
-    @functools.wraps(step)
-    def step_and_update(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        output = step(*args, **kwargs)
-        optimizer.update()
-        return output
-
-    return step_and_update
+    Made to look to Dynamo as ``step`` itself does, so that a saved step
+    (``cache_dir``) keeps the same guards as a step without the optimizer: the same
+    parameters (guards on ``*args``' length and ``**kwargs``' keys are not portable,
+    and a saved step holding one keeps every guard on dict key order, which it cannot
+    check), and as cells of its own closure ``step``'s own cells for the modules
+    ``step`` closes over, each read first, so Dynamo names them from this frame (read
+    through ``step``, a saved step's guards on them were built from a saved copy of
+    ``step``, in which the modules are missing).
+    """
+    code = step.__code__
+    cells = dict(zip(code.co_freevars, step.__closure__ or ()))
+    modules = [name for name, cell in cells.items()
+               if isinstance(cell.cell_contents, torch.nn.Module)]
+    names = code.co_varnames
+    positional = list(names[:code.co_argcount])
+    keyword_only = list(names[code.co_argcount:code.co_argcount + code.co_kwonlyargcount])
+    index = code.co_argcount + code.co_kwonlyargcount
+    varargs = names[index] if code.co_flags & inspect.CO_VARARGS else None
+    varkw = (names[index + bool(varargs)] if code.co_flags & inspect.CO_VARKEYWORDS else None)
+    parameters = positional[:]
+    if code.co_posonlyargcount:
+        parameters.insert(code.co_posonlyargcount, "/")
+    if varargs or keyword_only:
+        parameters.append(f"*{varargs}" if varargs else "*")
+    parameters += keyword_only + ([f"**{varkw}"] if varkw else [])
+    arguments = (positional + ([f"*{varargs}"] if varargs else [])
+                 + [f"{name}={name}" for name in keyword_only] + ([f"**{varkw}"] if varkw else []))
+    name = code.co_name if code.co_name.isidentifier() else "step"  # (a lambda)
+    source = (
+        f"def _factory({', '.join([*modules, '_fsdp_step', '_fsdp_optimizer'])}):\n"
+        f"    def {name}({', '.join(parameters)}):\n"
+        + "".join(f"        {name}.training\n" for name in modules)
+        + f"        _fsdp_output = _fsdp_step({', '.join(arguments)})\n"
+        "        _fsdp_optimizer.update()\n"
+        "        return _fsdp_output\n"
+        f"    return {name}\n"
+    )
+    scope: dict[str, Any] = {"__name__": __name__}
+    exec(compile(source, f"<{__name__}: {name} and its optimizer's update>", "exec"), scope)
+    made = scope["_factory"](*[cells[name].cell_contents for name in modules], step, optimizer)
+    closure = tuple(cells[name] if name in modules else cell
+                    for name, cell in zip(made.__code__.co_freevars, made.__closure__))
+    function = types.FunctionType(made.__code__, made.__globals__, name, step.__defaults__,
+                                  closure)
+    function.__kwdefaults__ = step.__kwdefaults__
+    return function
