@@ -43,6 +43,7 @@ SUBSET=(
   compile_tests/test_block_compile.py::test_compiled_autograd_traces_one_block_backward
   compile_tests/test_whole_step.py
   compile_tests/test_step_cache.py
+  compile_tests/test_traced_optimizer.py
 )
 
 # The registry's triton-kernels and ours, imported side by side from outside the clone.
