@@ -63,14 +63,17 @@ def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
                 assert torch.equal(ours["grads"][name][2], grad), f"{what} {name} grad"
             for name, param in theirs["params"].items():
                 assert torch.equal(ours["params"][name], param), f"{what} {name}"
-        # AdamW's update and zero_grad in the graph, the learning rate halved every
-        # step without a recompile: eager's numbers but for the bias corrections, which
-        # the graph computes as tensors where eager takes Python floats.
+        # The gradients clipped, then AdamW's update and zero_grad, in the graph, the
+        # learning rate halved every step without a recompile: eager's numbers but for
+        # the bias corrections, which the graph computes as tensors where eager takes
+        # Python floats.
         theirs, ours = by_setting["optimizer in step"]["theirs"], by_setting["optimizer in step"]["ours"]
         what = f"rank {rank} optimizer in step"
         assert ours["frames"] == 1 and ours["graph_breaks"] == {}, what
         assert ours["cleared"] and theirs["cleared"], what
         torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours["norms"], theirs["norms"], rtol=1e-6, atol=0)
+        assert min(theirs["norms"]) > whole_step_cases.MAX_NORM  # (so it clips)
         for name, param in theirs["params"].items():
             torch.testing.assert_close(ours["params"][name], param, rtol=0, atol=1e-5)
         assert ours["state"].keys() == theirs["state"].keys(), what

@@ -20,6 +20,7 @@ from tests.fsdp.parity_cases import LIBRARIES, UNEVEN, uneven_transformer
 from tests.fsdp.parity_utils import batch, make_optimizer
 
 STEPS = 3
+MAX_NORM = 0.1
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,11 +76,13 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
            rank: int, world_size: int, backend: str, forward_regions: bool = False,
            optimizer_in_step: bool = False) -> dict[str, Any]:
     """``STEPS`` AdamW steps of ``model``, eagerly or with the whole step compiled;
-    ``optimizer_in_step``: under a learning rate halved every step, and compiled with
-    the optimizer's update in the step (``compile_step(optimizer=...)``).
+    ``optimizer_in_step``: the gradients clipped to a total norm of ``MAX_NORM`` in the
+    step, under a learning rate halved every step, and compiled with the optimizer's
+    update in the step (``compile_step(optimizer=...)``).
 
     Returns:
-        ``losses``, ``grads`` (first step's local gradients and their placements; none
+        ``losses``, ``norms`` (the gradients' total norms before clipping, with the
+        optimizer in the step), ``grads`` (first step's local gradients and their placements; none
         with the optimizer in the step, which clears them), ``params`` (final local
         shards), ``state`` (each parameter's local optimizer state); compiled, also
         ``frames`` (graphs compiled over all steps), ``graph_breaks`` and ``regions``
@@ -92,7 +95,11 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_of(model, tokens, targets)
         loss.backward()
-        return loss.detach()
+        if not optimizer_in_step:
+            return loss.detach()
+        # torchtitan's order: the gradients clipped to a total norm, then the update.
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        return torch.stack([loss.detach(), norm.full_tensor() if isinstance(norm, DTensor) else norm])
 
     counter = None
     if whole_step:
@@ -101,10 +108,13 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
         counter = CompileCounterWithBackend(backend)
         step = fsdp_traceable.compile_step(
             step, backend=counter, optimizer=optimizer if optimizer_in_step else None)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for index in range(STEPS):
         with fsdp_traceable.config.patch(forward_regions=forward_regions):
             loss = step(*batch(index, rank, world_size, UNEVEN))
+        if optimizer_in_step:
+            loss, norm = loss
+            norms.append(norm.item())
         losses.append(loss.item())
         if index == 0 and not (whole_step and optimizer_in_step):
             grads = {n: (type(p.grad).__name__, p.grad.placements, _local(p.grad).clone())
@@ -115,7 +125,7 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
         if schedule is not None:
             schedule.step()
     names = {p: n for n, p in model.named_parameters()}
-    result = {"losses": losses, "grads": grads,
+    result = {"losses": losses, "grads": grads, "norms": norms,
               "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()},
               "state": {names[p]: {k: _local(v).clone() for k, v in state.items()}
                         for p, state in optimizer.state.items()},
