@@ -283,23 +283,24 @@ def _followed_by_update(step: Callable[_P, _R], optimizer: TracedOptimizer) -> C
         parameters.append(f"*{varargs}" if varargs else "*")
     parameters += keyword_only + ([f"**{varkw}"] if varkw else [])
     arguments = (positional + ([f"*{varargs}"] if varargs else [])
-                 + [f"{name}={name}" for name in keyword_only] + ([f"**{varkw}"] if varkw else []))
-    name = code.co_name if code.co_name.isidentifier() else "step"  # (a lambda)
+                 + [f"{arg}={arg}" for arg in keyword_only] + ([f"**{varkw}"] if varkw else []))
+    function_name = code.co_name if code.co_name.isidentifier() else "step"  # (a lambda)
     source = (
         f"def _factory({', '.join([*modules, '_fsdp_step', '_fsdp_optimizer'])}):\n"
-        f"    def {name}({', '.join(parameters)}):\n"
-        + "".join(f"        {name}.training\n" for name in modules)
+        f"    def {function_name}({', '.join(parameters)}):\n"
+        + "".join(f"        {module}.training\n" for module in modules)
         + f"        _fsdp_output = _fsdp_step({', '.join(arguments)})\n"
         "        _fsdp_optimizer.update()\n"
         "        return _fsdp_output\n"
-        f"    return {name}\n"
+        f"    return {function_name}\n"
     )
     scope: dict[str, Any] = {"__name__": __name__}
-    exec(compile(source, f"<{__name__}: {name} and its optimizer's update>", "exec"), scope)
-    made = scope["_factory"](*[cells[name].cell_contents for name in modules], step, optimizer)
-    closure = tuple(cells[name] if name in modules else cell
-                    for name, cell in zip(made.__code__.co_freevars, made.__closure__))
-    function = types.FunctionType(made.__code__, made.__globals__, name, step.__defaults__,
-                                  closure)
+    exec(compile(source, f"<{__name__}: {function_name} and its optimizer's update>", "exec"),
+         scope)
+    made = scope["_factory"](*[cells[module].cell_contents for module in modules], step, optimizer)
+    closure = tuple(cells[free] if free in modules else cell
+                    for free, cell in zip(made.__code__.co_freevars, made.__closure__))
+    function = types.FunctionType(made.__code__, made.__globals__, function_name,
+                                  step.__defaults__, closure)
     function.__kwdefaults__ = step.__kwdefaults__
     return function
