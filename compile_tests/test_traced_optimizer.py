@@ -56,7 +56,7 @@ def test_optimizer_in_step_matches_its_eager_step_in_one_graph(
     counter = CompileCounterWithBackend("aot_eager")
     compiled = fsdp_traceable.compile_step(step, backend=counter, optimizer=optimizer)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(STEPS):
+    for index in range(STEPS):
         x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
         loss = torch.nn.functional.mse_loss(eager_model(x), y)
         loss.backward()
@@ -65,7 +65,11 @@ def test_optimizer_in_step_matches_its_eager_step_in_one_graph(
         torch.testing.assert_close(compiled(x, y), loss.detach(), rtol=0, atol=1e-6)
         for schedule in schedules:
             schedule.step()
-    # One graph over every step, the learning rate a different value each time.
+        if index == 0:  # a resume: the eager run's checkpoint, new state tensors
+            model.load_state_dict(copy.deepcopy(eager_model.state_dict()))
+            optimizer.load_state_dict(copy.deepcopy(eager.state_dict()))
+    # One graph over every step, the learning rate a different value each time, the
+    # state loaded from a checkpoint after the first (updated, not the replaced tensors).
     assert counter.frame_count == 1 and dict(counters["graph_break"]) == {}
     assert all(param.grad is None for param in model.parameters())
     for (name, param), theirs in zip(model.named_parameters(), eager_model.parameters()):
