@@ -112,6 +112,8 @@ def test_the_step_and_update_function_takes_the_steps_own_arguments() -> None:
     assert dict(zip(combined.__code__.co_freevars, combined.__closure__))["model"] is \
         step.__closure__[0]
     assert _followed_by_update(lambda x: model(x), update)(x).shape == (2, 4)
+    with pytest.raises(TypeError, match="takes a Python function"):
+        _followed_by_update(model.forward, update)
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -29,7 +29,6 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
-import itertools
 import json
 import logging
 import os
@@ -117,8 +116,7 @@ class PrecompiledStep:
             log.debug("whole step loaded from %s", path)
             return loaded
         with self._tracing_context():
-            compiled = self._compile_fn(
-                _argument_guards(self._compiled_function)).aot_compile((args, kwargs))
+            compiled = self._compile_fn(_argument_guards(self._step)).aot_compile((args, kwargs))
         _save(compiled, path, external)
         compiled.disable_guard_check()  # __call__ checks once per call
         self.source = "compiled"
@@ -126,14 +124,11 @@ class PrecompiledStep:
         return compiled
 
 
-def _argument_guards(compiled: Callable[..., Any]) -> Callable[[list[Any]], list[bool]]:
+def _argument_guards(step: Callable[..., Any]) -> Callable[[list[Any]], list[bool]]:
     """The guard filter that keeps what a saved step can check: global state, the shape
-    environment, and guards on the compiled function's own arguments (their shapes and
-    dtypes), named as its frame names them (``args`` of a ``*args`` wrapper)."""
-    code = compiled.__code__
-    count = (code.co_argcount + code.co_kwonlyargcount
-             + bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS))
-    arguments = set(code.co_varnames[:count])
+    environment, and guards on the step's own arguments (their shapes and dtypes; a step
+    followed by its optimizer's update takes the same arguments)."""
+    arguments = set(inspect.signature(step).parameters)
 
     def keep(entries: list[Any]) -> list[bool]:
         return [entry.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
@@ -172,10 +167,7 @@ def fingerprint(step: Callable[..., Any], modules: dict[str, nn.Module],
         A hex digest that changes when any of them changes in a way the graph depends on.
     """
     digest = hashlib.sha256()
-    parts = _fingerprint_parts(step, modules, args, kwargs, _package_version())
-    if optimizer is not None:
-        parts = itertools.chain(parts, [f"optimizer {optimizer.describe()}"])
-    for part in parts:
+    for part in _fingerprint_parts(step, modules, args, kwargs, optimizer, _package_version()):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:24]
@@ -189,7 +181,8 @@ def _package_version() -> str:
 
 
 def _fingerprint_parts(step: Callable[..., Any], modules: dict[str, nn.Module], args: tuple,
-                       kwargs: dict, version: str) -> Iterator[str]:
+                       kwargs: dict, optimizer: TracedOptimizer | None,
+                       version: str) -> Iterator[str]:
     yield f"format={_FORMAT} torch={torch.__version__} fsdp_traceable={version}"
     # The library's switches that shape the traced graph.
     yield (f"config forward_regions={forward_regions_enabled()} "
@@ -209,6 +202,8 @@ def _fingerprint_parts(step: Callable[..., Any], modules: dict[str, nn.Module], 
         for name, tensor in [*root.named_parameters(prefix=root_name),
                              *root.named_buffers(prefix=root_name)]:
             yield f"tensor {name}: {_describe(tensor)} requires_grad={tensor.requires_grad}"
+    if optimizer is not None:
+        yield f"optimizer {optimizer.describe()}"
 
 
 def _code_digest(code: Any) -> str:

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 # Exact types: a subclass may override step(), which the traced update would not run.
 _ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 _SUPPORTED = (*_ADAM_FAMILY, torch.optim.SGD)
+# A group's entries that are not constants of the traced update.
+_NOT_CONSTANTS = ("params", "lr")
 
 
 @dataclasses.dataclass
@@ -118,7 +120,7 @@ class TracedOptimizer:
         groups = []
         for group in self.optimizer.param_groups:
             settings = {name: _value_text(value) for name, value in sorted(group.items())
-                        if name not in ("params", "lr")}
+                        if name not in _NOT_CONSTANTS}
             layouts = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in group["params"]]
             groups.append(f"{settings} {layouts}")
         return f"{type(self.optimizer).__qualname__} {groups}"
@@ -193,7 +195,7 @@ class TracedOptimizer:
         state_names = _state_names(self.optimizer, group)
         state = tuple((name, [self.optimizer.state[p][name] for p in params])
                       for name in state_names)
-        hyperparameters = {k: v for k, v in group.items() if k not in ("params", "lr")}
+        hyperparameters = {k: v for k, v in group.items() if k not in _NOT_CONSTANTS}
         return _GroupPlan(hyperparameters, lr, params, state,
                           has_complex=any(torch.is_complex(p) for p in params))
 

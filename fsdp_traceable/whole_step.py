@@ -183,7 +183,8 @@ def compile_step(
         The compiled step, called as ``step``.
 
     Raises:
-        TypeError: if ``step`` is not callable, or ``optimizer`` is of another type.
+        TypeError: if ``step`` is not callable, or ``optimizer`` is of another type, or
+            comes with a ``step`` that is not a Python function (a bound method).
         ValueError: if ``optimizer`` has a setting its traced update cannot honour (step
             hooks, ``differentiable``, SGD's ``dampening`` with momentum).
         RuntimeError: if this torch cannot trace ``backward()`` into DTensor
@@ -254,6 +255,11 @@ def compile_step(
     return prepared_step
 
 
+# How a parameter of each kind is passed on (by name, otherwise).
+_PASSED_AS = {inspect.Parameter.VAR_POSITIONAL: "*{}", inspect.Parameter.KEYWORD_ONLY: "{0}={0}",
+              inspect.Parameter.VAR_KEYWORD: "**{}"}
+
+
 def _followed_by_update(step: Callable[_P, _R], optimizer: TracedOptimizer) -> Callable[_P, _R]:
     """``step`` then the optimizer's traced update and ``zero_grad()``, one function.
 
@@ -266,30 +272,29 @@ def _followed_by_update(step: Callable[_P, _R], optimizer: TracedOptimizer) -> C
     through ``step``, a saved step's guards on them were built from a saved copy of
     ``step``, in which the modules are missing).
     """
+    if not inspect.isfunction(step):
+        raise TypeError(
+            f"compile_step(step, optimizer=...) follows step's own frame and takes a Python "
+            f"function; got {type(step).__name__} {step!r}: wrap it, e.g. "
+            "lambda tokens, targets: trainer.step(tokens, targets)"
+        )
     code = step.__code__
     cells = dict(zip(code.co_freevars, step.__closure__ or ()))
     modules = [name for name, cell in cells.items()
                if isinstance(cell.cell_contents, torch.nn.Module)]
-    names = code.co_varnames
-    positional = list(names[:code.co_argcount])
-    keyword_only = list(names[code.co_argcount:code.co_argcount + code.co_kwonlyargcount])
-    index = code.co_argcount + code.co_kwonlyargcount
-    varargs = names[index] if code.co_flags & inspect.CO_VARARGS else None
-    varkw = (names[index + bool(varargs)] if code.co_flags & inspect.CO_VARKEYWORDS else None)
-    parameters = positional[:]
-    if code.co_posonlyargcount:
-        parameters.insert(code.co_posonlyargcount, "/")
-    if varargs or keyword_only:
-        parameters.append(f"*{varargs}" if varargs else "*")
-    parameters += keyword_only + ([f"**{varkw}"] if varkw else [])
-    arguments = (positional + ([f"*{varargs}"] if varargs else [])
-                 + [f"{arg}={arg}" for arg in keyword_only] + ([f"**{varkw}"] if varkw else []))
+    # The frame's own parameters (not a wrapped function's), without annotations and
+    # defaults: the defaults are the step's own, set on the function below.
+    signature = inspect.signature(step, follow_wrapped=False)
+    parameters = [p.replace(annotation=p.empty, default=p.empty)
+                  for p in signature.parameters.values()]
+    header = signature.replace(parameters=parameters, return_annotation=signature.empty)
+    arguments = ", ".join(_PASSED_AS.get(p.kind, "{}").format(p.name) for p in parameters)
     function_name = code.co_name if code.co_name.isidentifier() else "step"  # (a lambda)
     source = (
         f"def _factory({', '.join([*modules, '_fsdp_step', '_fsdp_optimizer'])}):\n"
-        f"    def {function_name}({', '.join(parameters)}):\n"
+        f"    def {function_name}{header}:\n"
         + "".join(f"        {module}.training\n" for module in modules)
-        + f"        _fsdp_output = _fsdp_step({', '.join(arguments)})\n"
+        + f"        _fsdp_output = _fsdp_step({arguments})\n"
         "        _fsdp_optimizer.update()\n"
         "        return _fsdp_output\n"
         f"    return {function_name}\n"
