@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..sizes import flatten_sizes
 from . import comm, copy_backends
-from .shard_info import SUPPORTED_DTYPES, ShardInfo
+from .bucket_layout import BucketLayout
+from .shard_info import ShardInfo
 from .validation import check_bucket, check_bucket_bytes
 
 if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
@@ -31,17 +31,13 @@ class AllGatherResult(NamedTuple):
     """An all-gather in flight; pass it to :func:`foreach_all_gather_copy_out`."""
 
     pending: comm.PendingTensor
-    infos: tuple[ShardInfo, ...]
+    layout: BucketLayout
     streams: comm.DeviceStreams | None
 
-
-def all_gather_dtype(infos: Sequence[ShardInfo]) -> torch.dtype:
-    """The bucket's all-gather dtype: the common ``param_dtype``, or ``uint8`` if mixed
-    or if it is one no backend reduces or gathers natively (e.g. float8)."""
-    dtypes = {info.param_dtype for info in infos}
-    if len(dtypes) == 1 and (dtype := dtypes.pop()) in SUPPORTED_DTYPES:
-        return dtype
-    return torch.uint8
+    @property
+    def infos(self) -> tuple[ShardInfo, ...]:
+        """The gathered parameters' :class:`ShardInfo`, in bucket order."""
+        return self.layout.infos
 
 
 @torch.no_grad()
@@ -53,6 +49,7 @@ def foreach_all_gather(
     streams: comm.DeviceStreams | None = None,
     all_gather_comm: AllGather | None = None,
     check: bool = True,
+    layout: BucketLayout | None = None,
 ) -> AllGatherResult:
     """Copies this rank's shards into one buffer and starts one all-gather of it.
 
@@ -66,6 +63,8 @@ def foreach_all_gather(
             and runs the collective (default: ``torch.empty`` and c10d).
         check: validate the bucket against ``infos`` (``False``: the caller built
             both together and checked them once, as ``fully_shard``'s groups do).
+        layout: ``BucketLayout.of(infos)``, where the caller keeps it (see
+            [Note: bucket layouts]).
 
     Returns:
         The in-flight :class:`AllGatherResult`; compute may run before copy-out.
@@ -74,13 +73,15 @@ def foreach_all_gather(
         check_bucket(sharded_tensors, infos, group, tensors_name="sharded_tensors",
                      expect="sharded")
         check_bucket_bytes(infos)
-    dtype = all_gather_dtype(infos)
-    padded_numels = [info.padded_sharded_numel for info in infos]
+    if layout is None:
+        layout = BucketLayout.of(infos)
+    dtype = layout.all_gather_dtype
+    padded_numels = layout.padded_sharded_numels
     traced = comm.use_traced_path()
     inputs = list(sharded_tensors)
     if dtype == torch.uint8:
         # The byte path reinterprets each shard as it is: cast to its param_dtype first.
-        inputs = [t.to(i.param_dtype) for t, i in zip(inputs, infos)]
+        inputs = [t.to(param_dtype) for t, param_dtype in zip(inputs, layout.param_dtypes)]
     if traced:
         if all_gather_comm is not None:
             raise NotImplementedError(
@@ -90,7 +91,7 @@ def foreach_all_gather(
                 "set one too)"
             )
         flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
-        return AllGatherResult(comm.all_gather(flat_input, group), tuple(infos), None)
+        return AllGatherResult(comm.all_gather(flat_input, group), layout, None)
     # Eager: copy straight into this rank's slice of the output, as FSDP2 does, so an
     # in-flight all-gather holds one buffer, not two.
     input_numel = sum(
@@ -100,12 +101,12 @@ def foreach_all_gather(
     with streams.copy_in_context() if streams is not None else contextlib.nullcontext():
         allocate = torch.empty if all_gather_comm is None else all_gather_comm.allocate
         output = allocate(
-            (input_numel * infos[0].world_size,), dtype=dtype, device=inputs[0].device
+            (input_numel * layout.world_size,), dtype=dtype, device=inputs[0].device
         )
-        flat_input = output.narrow(0, input_numel * infos[0].rank, input_numel)
+        flat_input = output.narrow(0, input_numel * layout.rank, input_numel)
         copy_backends.all_gather_copy_in_into(inputs, padded_numels, flat_input)
         pending = comm.all_gather_into(output, flat_input, group, all_gather_comm)
-    return AllGatherResult(pending, tuple(infos), streams)
+    return AllGatherResult(pending, layout, streams)
 
 
 @torch.no_grad()
@@ -122,13 +123,8 @@ def foreach_all_gather_copy_out(result: AllGatherResult) -> list[torch.Tensor]:
     output = comm.wait(result.pending)
     if result.streams is not None:
         result.streams.consume(output)
-    infos = result.infos
-    sizes_flat, ndims = flatten_sizes([info.global_size for info in infos])
+    layout = result.layout
     return copy_backends.all_gather_copy_out(
-        output,
-        infos[0].world_size,
-        sizes_flat,
-        ndims,
-        [info.shard_dim for info in infos],
-        [info.param_dtype for info in infos],
+        output, layout.world_size, layout.global_sizes_flat, layout.global_ndims,
+        layout.shard_dims, layout.param_dtypes,
     )

@@ -20,8 +20,8 @@ except ImportError:
     _from_local_no_grad = None
 
 from ..profiler_labels import phase
-from ..sizes import flatten_sizes
 from . import comm, copy_backends, ops
+from .bucket_layout import BucketLayout
 from .divide_factors import ReduceSchedule, gradient_divide_schedule
 from .shard_info import ShardInfo
 from .validation import (
@@ -62,7 +62,7 @@ class PendingReduce(NamedTuple):
     """A reduction whose reduce-scatter is in flight; pass it to :func:`finish_foreach_reduce`."""
 
     reduce_output: comm.PendingTensor
-    infos: tuple[ShardInfo, ...]
+    layout: BucketLayout
     schedule: ReduceSchedule
     orig_dtype: torch.dtype
     all_reduce_group: dist.ProcessGroup | None
@@ -101,6 +101,7 @@ def start_foreach_reduce(
     accumulate_into: Sequence[torch.Tensor] | None = None,
     reduce_scatter_comm: ReduceScatter | None = None,
     check: bool = True,
+    layout: BucketLayout | None = None,
 ) -> PendingReduce:
     """Copies a bucket of unsharded gradients in and starts its reduce-scatter.
 
@@ -130,6 +131,8 @@ def start_foreach_reduce(
             runs the collective.
         check: validate the bucket and the state arguments (``False``: the caller
             built them together and checked them once, as ``fully_shard``'s groups do).
+        layout: ``BucketLayout.of(infos)``, where the caller keeps it (see
+            [Note: bucket layouts]).
 
     Returns:
         The :class:`PendingReduce` (in eager mode an async c10d reduce-scatter, so
@@ -141,10 +144,13 @@ def start_foreach_reduce(
         check_bucket_bytes(infos)
     check_uniform([g.dtype for g in unsharded_grads], "unsharded_grads dtype",
                   "cast every gradient of a bucket to one dtype (the param_dtype)")
-    reduce_dtype = check_uniform([i.reduce_dtype for i in infos], "reduce_dtype",
-                                 "build every ShardInfo of a bucket with one reduce_dtype")
-    orig_dtype = check_uniform([i.orig_dtype for i in infos], "orig_dtype",
-                               "bucket parameters of one dtype together")
+    if layout is None:
+        layout = BucketLayout.of(infos)
+    reduce_dtype = layout.reduce_dtype or check_uniform(
+        layout.reduce_dtypes, "reduce_dtype",
+        "build every ShardInfo of a bucket with one reduce_dtype")
+    orig_dtype = layout.orig_dtype or check_uniform(
+        layout.orig_dtypes, "orig_dtype", "bucket parameters of one dtype together")
     if check:
         check_reduce_state(
             infos, reduce_dtype, has_all_reduce_group=all_reduce_group is not None,
@@ -154,7 +160,7 @@ def start_foreach_reduce(
     all_reduce_size = 1
     if all_reduce_group is not None:
         all_reduce_size = all_reduce_group.size()
-    world_size = infos[0].world_size
+    world_size = layout.world_size
     schedule = gradient_divide_schedule(
         world_size, all_reduce_size, reduce_dtype, gradient_divide_factor, force_sum_reduction
     )
@@ -164,7 +170,7 @@ def start_foreach_reduce(
                                      reduce_scatter_op=op, all_reduce_op=op)
 
     reduce_input = copy_backends.reduce_scatter_copy_in(
-        list(unsharded_grads), world_size, [i.shard_dim for i in infos], reduce_dtype,
+        list(unsharded_grads), world_size, layout.shard_dims, reduce_dtype,
         _nontrivial(schedule.predivide_factor),
     )
     if world_size > 1:
@@ -173,7 +179,7 @@ def start_foreach_reduce(
     else:
         reduce_output = comm.PendingTensor(reduce_input, None)
     return PendingReduce(
-        reduce_output, tuple(infos), schedule, orig_dtype, all_reduce_group, all_reduce_grads,
+        reduce_output, layout, schedule, orig_dtype, all_reduce_group, all_reduce_grads,
         partial_reduce_output, all_reduce_hook, accumulate_into,
     )
 
@@ -191,7 +197,7 @@ def finish_foreach_reduce(pending: PendingReduce) -> ReduceResult:
     """
     with phase("reduce_scatter_wait"):
         reduce_output = comm.wait(pending.reduce_output)
-    infos, schedule = pending.infos, pending.schedule
+    layout, schedule = pending.layout, pending.schedule
     all_reduce_group, partial_reduce_output = pending.all_reduce_group, pending.partial_reduce_output
     if all_reduce_group is not None:
         if not pending.all_reduce_grads:
@@ -207,15 +213,14 @@ def finish_foreach_reduce(pending: PendingReduce) -> ReduceResult:
     if pending.all_reduce_hook is not None:
         pending.all_reduce_hook(reduce_output)
 
-    sizes_flat, ndims = flatten_sizes([info.sharded_size for info in infos])
     sharded_grads = ops.call(
-        "reduce_scatter_view_out", reduce_output, sizes_flat, ndims,
-        [i.padded_sharded_numel for i in infos], pending.orig_dtype,
+        "reduce_scatter_view_out", reduce_output, list(layout.sharded_sizes_flat),
+        list(layout.sharded_ndims), list(layout.padded_sharded_numels), pending.orig_dtype,
         _nontrivial(schedule.postdivide_factor),
     )
-    sharded_grads = [
-        grad.to("cpu") if info.offload_to_cpu else grad for grad, info in zip(sharded_grads, infos)
-    ]
+    if any(layout.offload_to_cpu):
+        sharded_grads = [grad.to("cpu") if offloaded else grad
+                         for grad, offloaded in zip(sharded_grads, layout.offload_to_cpu)]
     if pending.accumulate_into is not None:
         for param, grad in zip(pending.accumulate_into, sharded_grads):
             accumulate_sharded_grad(param, grad)

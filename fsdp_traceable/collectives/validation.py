@@ -117,10 +117,12 @@ def check_bucket_bytes(infos: Sequence[ShardInfo], names: Sequence[str] | None =
 
 def check_uniform(values: Sequence[object], what: str, fix: str) -> object:
     """Returns the single value of ``values`` or raises a ``ValueError`` naming ``what``."""
-    distinct = sorted(set(map(str, values)))
-    if len(distinct) != 1:
-        raise ValueError(f"{what} must be uniform across the bucket, got {distinct}: {fix}")
-    return values[0]
+    first = values[0]
+    for value in values:
+        if value != first:
+            distinct = sorted(set(map(str, values)))
+            raise ValueError(f"{what} must be uniform across the bucket, got {distinct}: {fix}")
+    return first
 
 
 def normalize_reduce_op(reduce_op: object, group: dist.ProcessGroup | None) -> str:

@@ -178,11 +178,7 @@ def _eager_locals(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 def _module_params(params: GroupParams) -> list[torch.nn.Parameter]:
     """The sharded parameters read from their modules' ``_parameters``; see
     [Note: Dynamo reaches parameters through their module]."""
-    module_params: list[torch.nn.Parameter | None] = [None] * len(params.sharded_params)
-    for owner, name, index in params.bindings:
-        if module_params[index] is None:
-            module_params[index] = owner._parameters[name]
-    return module_params
+    return [owner._parameters[name] for owner, name in zip(params.first_holders, params.first_names)]
 
 
 def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
@@ -211,7 +207,8 @@ def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tu
     params = _module_params(group.params) if traced else group.params.sharded_params
     # A zero-size parameter gets no gradient (see _eager_locals).
     if traced:
-        sharded_locals = [p.to_local() if p.numel() else p.to_local().detach() for p in params]
+        sharded_locals = [p.to_local() if nonempty else p.to_local().detach()
+                          for p, nonempty in zip(params, group.params.nonempty)]
     else:
         sharded_locals = _eager_locals(params)
     accumulated: dict[int, torch.Tensor] = {}

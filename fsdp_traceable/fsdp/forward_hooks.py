@@ -20,10 +20,12 @@ from ..collectives import comm
 
 class ForwardScope(NamedTuple):
     """What one forward call took: the unsharded parameters it must release (``None``
-    if another call owns them) and the saved-tensor hooks it entered."""
+    if another call owns them), the saved-tensor hooks it entered, and whether those
+    parameters are bound to the modules (a forward region binds its own)."""
 
     unsharded: tuple[torch.Tensor, ...] | None
     hooks: Any
+    bound: bool = True
 
 
 class ForwardHooks:

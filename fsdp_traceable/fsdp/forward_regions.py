@@ -126,6 +126,15 @@ def structure_key(module_id: int) -> int | None:
 
 
 @torch._dynamo.assume_constant_result
+def _unsharded_key(module_id: int, grad_enabled: bool) -> tuple | None:
+    """The layout of the unsharded parameters the registered ``fully_shard`` module
+    ``module_id`` gathers, from its sharded parameters (``GroupParams.unsharded_layout_key``):
+    a few Python lines instead of Dynamo tracing each tensor's key. Runs in Python while
+    Dynamo traces; the parameters' own guards recompile where it would change."""
+    return _fsdp_modules[module_id]._fsdp_group.params.unsharded_layout_key(grad_enabled)
+
+
+@torch._dynamo.assume_constant_result
 def _key_id(signature: tuple, unsharded_count: int, arguments_layout: tuple) -> int:
     key = _call_ids.setdefault(signature, len(_call_ids))
     _call_layouts[key] = (unsharded_count, arguments_layout)
@@ -145,7 +154,10 @@ def call_key(module: nn.Module, unsharded: tuple[torch.Tensor, ...], args: tuple
     layout = _layout((args, kwargs), [], argument_tensors, unsupported)
     if unsupported:
         return None
-    signature = (structure, tuple(_tensor_key(t) for t in unsharded), layout,
+    unsharded_key = _unsharded_key(id(module), torch.is_grad_enabled())
+    if unsharded_key is None:
+        unsharded_key = tuple(_tensor_key(t) for t in unsharded)
+    signature = (structure, unsharded_key, layout,
                  tuple(_tensor_key(t) for t in argument_tensors))
     key = _key_id(signature, len(unsharded), layout)
     # ``+ 0``: a fresh constant. Dynamo gives the call's result a source it cannot guard

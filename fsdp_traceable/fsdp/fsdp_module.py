@@ -392,20 +392,27 @@ class FSDPModule(TorchFSDPModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
         hooks = self.__dict__["_fsdp_inner_hooks"]
-        args, kwargs, scope = group.pre_forward(self, args, kwargs)
+        instance_forward = self.__dict__.get(INSTANCE_FORWARD)
+        # See [Note: forward regions]: a region binds the parameters itself.
+        region_possible = (instance_forward is None and not hooks.pre and not hooks.post
+                           and forward_regions.forward_regions_in_use()
+                           and group.region_eligible)
+        args, kwargs, scope = group.pre_forward(self, args, kwargs, bind=not region_possible)
         try:
             if hooks.pre:
                 args, kwargs = hooks.run_pre(self, args, kwargs)
-            instance_forward = self.__dict__.get(INSTANCE_FORWARD)
             region_call = None
-            if (instance_forward is None and not hooks.pre and not hooks.post
-                    and scope.unsharded is not None and forward_regions.forward_regions_in_use()
-                    and group.region_eligible):
+            if region_possible and scope.unsharded is not None:
                 region_call = forward_regions.call_key(self, scope.unsharded, args, kwargs)
             if region_call is not None:
-                # See [Note: forward regions].
-                group.params.unbind()
+                if scope.bound:
+                    group.params.unbind()
+                    scope = scope._replace(bound=False)
                 output = _forward_region(region_call, self)
+            elif not scope.bound:
+                group.params.bind(scope.unsharded)
+                scope = scope._replace(bound=True)
+                output = super().forward(*args, **kwargs)
             elif instance_forward is None:
                 output = super().forward(*args, **kwargs)
             else:

@@ -97,8 +97,11 @@ def start_reduce(params: GroupParams, settings: GroupSettings, grads: dict[int, 
             "microbatches' backward eagerly and only the last one compiled"
         )
     with phase("reduce_scatter", name):
+        whole_bucket = len(indices) == len(params.infos)
         return start_foreach_reduce(
-            [grads[i] for i in indices], [params.infos[i] for i in indices], params.shard_group,
+            [grads[i] for i in indices],
+            params.infos if whole_bucket else [params.infos[i] for i in indices],
+            params.shard_group,
             all_reduce_group=params.replicate_group,
             gradient_divide_factor=settings.gradient_divide_factor,
             force_sum_reduction=settings.force_sum_reduction,
@@ -107,6 +110,7 @@ def start_reduce(params: GroupParams, settings: GroupSettings, grads: dict[int, 
             all_reduce_hook=_all_reduce_hook(settings, params.device),
             reduce_scatter_comm=settings.reduce_scatter_comm,
             check=False,
+            layout=params.layout if whole_bucket else None,
         )
 
 

@@ -46,7 +46,7 @@ def start_all_gather(
     if all(extension is None for extension in extensions):
         result = foreach_all_gather(sharded_locals, params.infos, params.shard_group,
                                     streams=streams, all_gather_comm=all_gather_comm,
-                                    check=False)
+                                    check=False, layout=params.layout)
         return PendingUnshard(result, None)
     hook_inputs = all_gather_inputs(sharded_locals, params.infos, extensions)
     result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, params.shard_group,

@@ -16,6 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
 from torch.distributed.tensor import DTensor
 
 from ..collectives import ShardInfo
+from ..collectives.bucket_layout import BucketLayout
 from ..collectives.validation import check_bucket_bytes
 from .arguments import shard_placement
 from .features.all_gather_extensions import AllGatherExtension, detect_extension
@@ -76,6 +77,8 @@ class GroupParams:
             self.tp_layouts.append(_tp_layout(fqn, param, mesh, spmd, shard_dim, partial_reshard))
             self.infos.append(shard_info(fqn, param, mesh, mp_policy, shard_dim, offload_to_cpu))
         check_bucket_bytes(self.infos, self.fqns)
+        # The whole group's bucket (see [Note: bucket layouts]); None without parameters.
+        self.layout = BucketLayout.of(self.infos) if self.infos else None
         self.sharded_params: list[nn.Parameter] = [
             sharded_param(param, info, mesh, self.is_hsdp, self._shard_device(param),
                           pin_memory, layout)
@@ -87,6 +90,10 @@ class GroupParams:
         self.bindings: list[Binding] = []
         # Per parameter: the first module holding it (FSDP2 passes it to the pre hook).
         self.first_holders: list[nn.Module | None] = [None] * len(self.sharded_params)
+        # Per parameter: its attribute name on that module.
+        self.first_names: list[str | None] = [None] * len(self.sharded_params)
+        # Per parameter: whether it holds any element (an empty one gets no gradient).
+        self.nonempty = tuple(info.global_numel > 0 for info in self.infos)
         _ = self.extensions  # malformed hooks raise now, at fully_shard, as in FSDP2
         # Whether no parameter is on meta (checked before the first all-gather, and
         # again after the parameters are re-read).
@@ -108,10 +115,23 @@ class GroupParams:
         """Per parameter: its all-gather hooks, as its local tensor has them now (looked
         up at every all-gather, as FSDP2 does: hooks may be set after ``fully_shard``)."""
         return [
+            None if _plain_without_hooks(param._local_tensor) else
             detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy, holder)
             for fqn, param, info, holder in zip(
                 self.fqns, self.sharded_params, self.infos, self.first_holders)
         ]
+
+    def unsharded_layout_key(self, grad_enabled: bool) -> tuple | None:
+        """What decides the layout of the unsharded parameters an all-gather returns
+        (size, shard dim, dtype, device, ``requires_grad`` per parameter), read from the
+        sharded parameters in Python; ``None`` where a parameter has all-gather hooks,
+        whose outputs only the hooks decide."""
+        if not all(_plain_without_hooks(param._local_tensor) for param in self.sharded_params):
+            return None
+        return tuple(
+            (tuple(info.global_size), info.shard_dim, info.param_dtype, self.device,
+             grad_enabled and param.requires_grad)
+            for info, param in zip(self.infos, self.sharded_params))
 
     # -- the modules holding the parameters ----------------------------------------------
 
@@ -120,6 +140,7 @@ class GroupParams:
         self.bindings.append((owner, name, index))
         if self.first_holders[index] is None:
             self.first_holders[index] = owner
+            self.first_names[index] = name
 
     @property
     def is_bound(self) -> bool:
@@ -233,3 +254,10 @@ def _tp_layout(fqn: str, param: nn.Parameter, mesh: DeviceMesh,
     if spmd is not None:
         return spmd_layout(fqn, param, *spmd, shard_dim)
     return tensor_parallel_layout(fqn, param, mesh, shard_dim)
+
+
+def _plain_without_hooks(local: torch.Tensor) -> bool:
+    """Whether ``local`` is a plain tensor without all-gather hooks bound onto it: the
+    common case, answered in a few bytecodes where Dynamo traces it."""
+    return (type(local) is torch.Tensor and not hasattr(local, "fsdp_pre_all_gather")
+            and not hasattr(local, "fsdp_post_all_gather"))

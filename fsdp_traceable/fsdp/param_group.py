@@ -304,7 +304,7 @@ class ParamGroup:
     # -- forward ------------------------------------------------------------------------
 
     @labelled("pre_forward")
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict, *, bind: bool = True
                     ) -> tuple[tuple, dict, ForwardScope]:
         """Casts the inputs and binds the group's unsharded parameters to its modules.
 
@@ -317,6 +317,8 @@ class ParamGroup:
             module: the group's module whose forward starts.
             args: its positional arguments.
             kwargs: its keyword arguments.
+            bind: whether to bind parameters it gathers (``False``: the caller binds
+                them, or runs a forward region, which binds its own).
 
         Returns:
             The (cast) arguments and what :meth:`post_forward` releases.
@@ -336,6 +338,7 @@ class ParamGroup:
         args, kwargs = prepare_inputs(module, args, kwargs, self.params.device_type,
                                       self.params.mp_policy)
         shared = len(self.modules) > 1
+        bound = True
         if self._state is GroupState.UNSHARDED:
             unsharded = self._unsharded
             self._set_state(GroupState.SHARDED)
@@ -346,7 +349,10 @@ class ParamGroup:
         else:
             reshard = self.settings.reshard_after_forward and torch.is_grad_enabled()
             unsharded = unshard_params(self, recompute_in_backward=reshard and traced)
-            self.params.bind(unsharded)
+            if bind:
+                self.params.bind(unsharded)
+            else:
+                bound = False
         if shared:
             self._set_state(GroupState.LIST_FORWARD, unsharded)
             self._modules_to_run = {id(m) for m in self.modules}
@@ -360,7 +366,7 @@ class ParamGroup:
                 # Its backward reshards them, or keeps them for the next forward; until
                 # then forwards reuse them, as FSDP2's unsharded group.
                 self._eager.keep_forward_unsharded(tuple(unsharded), self.params.local_versions())
-        return args, kwargs, ForwardScope(unsharded, self._enter_hooks(traced))
+        return args, kwargs, ForwardScope(unsharded, self._enter_hooks(traced), bound)
 
     @labelled("post_forward")
     def post_forward(self, module: nn.Module, scope: ForwardScope, output: Any) -> Any:
@@ -381,7 +387,7 @@ class ParamGroup:
             if not self._modules_to_run:
                 self._release_shared()
         elif scope.unsharded is not None:
-            self._release(scope.unsharded)
+            self._release(scope.unsharded, scope.bound)
         if self.settings.is_root and scope.unsharded is not None:
             # FSDP2 ends the pass of groups whose modules did not all run at the root's end.
             for other in self._list_groups:
@@ -398,7 +404,7 @@ class ParamGroup:
         if len(self.modules) > 1:
             self._release_shared()
         elif scope.unsharded is not None:
-            self._release(scope.unsharded)
+            self._release(scope.unsharded, scope.bound)
 
     def _release_shared(self) -> None:
         """Ends a ``fully_shard([a, b])`` group's forward pass."""
@@ -410,9 +416,10 @@ class ParamGroup:
         if unsharded is not None:
             self._release(unsharded)
 
-    def _release(self, unsharded: tuple[torch.Tensor, ...]) -> None:
+    def _release(self, unsharded: tuple[torch.Tensor, ...], bound: bool = True) -> None:
         if comm.use_traced_path():
-            self.params.unbind()
+            if bound:
+                self.params.unbind()
             return
         if log.isEnabledFor(logging.DEBUG):
             log.debug("group %r after forward: %s", self.name,

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...collectives import AllGatherResult, ShardInfo, comm
+from ...collectives import AllGatherResult, comm
+from ...collectives.bucket_layout import BucketLayout
 from .all_gather_extensions import AllGatherInputs, PendingUnshard
 
 if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
@@ -40,7 +41,7 @@ class PostForwardMesh:
         the full output can be freed), with what its copy-out needs."""
         output = gathered.result.pending.tensor
         piece = output.chunk(self.group_size)[self.rank].clone()
-        return KeptPiece(piece, gathered.result.infos, gathered.hook_inputs)
+        return KeptPiece(piece, gathered.result.layout, gathered.hook_inputs)
 
     def regather(self, kept: KeptPiece, all_gather_comm: AllGather | None) -> PendingUnshard:
         """Starts the all-gather of the kept pieces that rebuilds the forward's output.
@@ -57,12 +58,12 @@ class PostForwardMesh:
         output = allocate((piece.numel() * self.group_size,), dtype=piece.dtype,
                           device=piece.device)
         pending = comm.all_gather_into(output, piece, self.group, all_gather_comm)
-        return PendingUnshard(AllGatherResult(pending, kept.infos, None), kept.hook_inputs)
+        return PendingUnshard(AllGatherResult(pending, kept.layout, None), kept.hook_inputs)
 
 
 class KeptPiece(NamedTuple):
     """A rank's piece of a forward all-gather output, kept until backward."""
 
     piece: torch.Tensor
-    infos: tuple[ShardInfo, ...]
+    layout: BucketLayout
     hook_inputs: AllGatherInputs | None
