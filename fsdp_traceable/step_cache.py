@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import config, cpu_isa_probe
+from . import _torch_patches, config, cpu_isa_probe
 from .traced_optimizer import TracedOptimizer
 from .tracing import forward_regions_enabled
 
@@ -265,7 +265,9 @@ def _load(path: pathlib.Path, compiled: Callable[..., Any], external: dict[str, 
     # The CPU kernels it loads would make this process probe the host's vector ISAs.
     cpu_isa_probe.trust_saved_probe(path.with_suffix(".isa.json"))
     try:
-        with path.open("rb") as file:
+        # Its kernels' libraries are found by key; precompiling their header would only
+        # cost time (see skip_header_precompile_on_load).
+        with path.open("rb") as file, _torch_patches.header_precompile_skipped():
             loaded = torch.compiler.load_compiled_function(
                 file, f_globals=compiled.__globals__, external_data=external)
     except Exception as err:  # a damaged or foreign file: this rank compiles (and says so)

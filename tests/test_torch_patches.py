@@ -517,3 +517,38 @@ def test_isa_load_checks_answered_inside_the_context_only(forgotten_cpu_isa_prob
     assert _isa_list_loads(loads, answered=True) == 0
     forget()
     assert _isa_list_loads(loads, answered=False) >= 1
+
+
+# -- Inductor precompiles the C++ kernels' header before finding their libraries ------
+
+needs_header_precompile = pytest.mark.skipif(
+    not _torch_patches.skip_header_precompile_on_load(),
+    reason="this torch precompiles no header, or keys a library by the header's path")
+
+
+@needs_header_precompile
+def test_torch_still_precompiles_the_header_before_finding_a_library() -> None:
+    from torch._inductor import codecache
+
+    source = inspect.getsource(codecache.CppPythonBindingsCodeCache.load_async)
+    lookup = source.find("if key not in cls.cache")
+    assert 0 <= lookup < source.find("_precompile_header(")
+
+
+class _HeaderPrecompiled(Exception):
+    pass
+
+
+@needs_header_precompile
+def test_header_precompile_skipped_inside_the_context_only(monkeypatch) -> None:
+    from torch._inductor import codecache
+
+    def precompiling(**options):
+        raise _HeaderPrecompiled
+
+    monkeypatch.setattr(codecache, "CppTorchDeviceOptions", precompiling)
+    with _torch_patches.header_precompile_skipped() as skipped:
+        assert skipped
+        assert codecache._precompile_header("cpp_prefix.h", "no command line") is None
+    with pytest.raises(_HeaderPrecompiled):  # torch's own runs again
+        codecache._precompile_header("cpp_prefix.h", "no command line")

@@ -1,7 +1,7 @@
 """Every change this package makes to torch itself, in one place: this package, one
 module per area of torch (``dtensor``, ``device_mesh``, ``checkpoint_warning``,
 ``compiled_autograd``, ``whole_step_recompute``, ``regions``, ``autograd_function``,
-``cpu_vec_isa``; ``wrapping``: how a patch replaces a torch function).
+``cpu_vec_isa``, ``precompiled_header``; ``wrapping``: how a patch replaces a torch function).
 
 [Note: torch patches]
 Each patch below works around one torch behaviour that has no public switch. Each
@@ -25,6 +25,8 @@ Where they are applied (unchanged from before they moved here):
   region is made (``fsdp/forward_regions.region_of``).
 * :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved
   step's CPU ISA probe outcome is taken (``cpu_isa_probe.trust_saved_probe``).
+* :func:`skip_header_precompile_on_load`: by :func:`header_precompile_skipped`, while
+  a saved step loads (``step_cache``).
 
 No module outside this package may assign to, wrap or filter anything of torch's.
 """
@@ -41,6 +43,7 @@ from .compiled_autograd import extract_bw_module_exists, rewrite_aot_backwards
 from .cpu_vec_isa import answer_isa_load_checks, isa_load_checks_answered
 from .device_mesh import drop_mesh_hash_from_pickles
 from .dtensor import shard_uneven_new_empty_strided, skip_dtensor_unflatten_frames
+from .precompiled_header import header_precompile_skipped, skip_header_precompile_on_load
 from .regions import link_stamped_out_regions, memoize_region_schemas
 from .whole_step_recompute import REMAT_PASS_MODULE, complete_whole_step_recompute
 
@@ -54,11 +57,13 @@ __all__ = [
     "drop_mesh_hash_from_pickles",
     "extract_bw_module_exists",
     "fresh_outputs",
+    "header_precompile_skipped",
     "isa_load_checks_answered",
     "link_stamped_out_regions",
     "memoize_region_schemas",
     "rewrite_aot_backwards",
     "shard_uneven_new_empty_strided",
+    "skip_header_precompile_on_load",
     "skip_dtensor_unflatten_frames",
     "trust_fresh_outputs",
 ]

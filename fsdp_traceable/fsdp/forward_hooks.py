@@ -85,7 +85,8 @@ def check_input_device(module: nn.Module, device_type: str, args: tuple, kwargs:
     Runs before the all-gather, so a misplaced input fails on every rank without a
     collective. Under compile the device is static, so this adds no graph break.
     """
-    for key, value in (*enumerate(args), *kwargs.items()):
+    # zip(range()), not enumerate(): Dynamo traces enumerate's polyfill per item.
+    for key, value in (*zip(range(len(args)), args), *kwargs.items()):
         if isinstance(value, torch.Tensor):
             if value.device.type != device_type:
                 where = f"argument {key}" if isinstance(key, int) else f"argument {key!r}"

@@ -46,8 +46,10 @@ def gradients_to_reduce(
     """
     # As in FSDP2, only parameters that received a gradient are reduced; the others
     # keep .grad None (which is what AdamW and weight decay expect).
+    # zip(range()), not enumerate(): Dynamo traces enumerate's polyfill per item.
     grads = {
-        i: grad for i, (grad, param) in enumerate(zip(unsharded_grads, params.sharded_params))
+        i: grad for i, grad, param in zip(range(len(unsharded_grads)), unsharded_grads,
+                                          params.sharded_params)
         if grad is not None and param.requires_grad
     }
     if settings.reduce_scatter_unused_params:
