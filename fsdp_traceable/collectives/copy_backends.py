@@ -193,6 +193,9 @@ def backend_for(tensors: Sequence[torch.Tensor], copy: str, num_params: int) -> 
     serves ``tensors`` now, else aten."""
     # A copy's tensors are on one device and all traced or none: the first one tells.
     first = tensors[:1]
+    if torch.compiler.is_compiling() and config.copy_kernels in ("auto", "inductor") and (
+            config.copy_kernels == "inductor" or first[0].device.type not in _TRITON_DEVICES):
+        return ATEN  # what the lines below pick, in fewer bytecodes for Dynamo to trace
     mode = copy_kernels()
     if mode == "auto":
         backend = auto_backend(first, copy, num_params)
