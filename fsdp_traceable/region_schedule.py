@@ -25,7 +25,11 @@ __all__ = ["overlap_collectives_across_regions", "reroute_region_inputs_to_backw
 
 
 def _is_region_call(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+    """Whether ``node`` calls a block's forward region (or its backward): a region call
+    whose input is not a collective's output (that is a copy-out region, see
+    [Note: copy-out regions])."""
+    return (node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+            and not any(_is_wait(arg) for arg in node.args[2:] if isinstance(arg, fx.Node)))
 
 
 def _view_chain(output: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:

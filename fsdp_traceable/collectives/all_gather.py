@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..tracing import forward_regions_in_use
 from . import comm, copy_backends
 from .bucket_layout import BucketLayout
+from .copy_out_region import copy_out_in_region
 from .shard_info import ShardInfo
 from .validation import check_bucket, check_bucket_bytes
 
@@ -124,6 +126,8 @@ def foreach_all_gather_copy_out(result: AllGatherResult) -> list[torch.Tensor]:
     if result.streams is not None:
         result.streams.consume(output)
     layout = result.layout
+    if forward_regions_in_use():
+        return copy_out_in_region(output, layout)
     return copy_backends.all_gather_copy_out(
         output, layout.world_size, layout.global_sizes_flat, layout.global_ndims,
         layout.shard_dims, layout.param_dtypes,
