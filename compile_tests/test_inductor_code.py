@@ -261,7 +261,7 @@ def test_whole_step_with_forward_regions_overlaps_each_block_with_the_previous(
     # included (it does not without regions); the last two reduce-scatters have nothing
     # after them to overlap.
     # Each block's copy-out is one call of a compiled region too, named before the
-    # forward region (see [Note: copy-out regions]).
+    # forward region (see [Note: copy regions]).
     code = whole_step_regions_code
     (forward,) = set(re.findall(r"= (partitioned_fw_subgraph_\d+_0)\(", code))
     backward = forward.replace("_fw_", "_bw_")

@@ -166,10 +166,10 @@ def test_whole_step_regathers_each_resharded_group_once_in_backward(
         counter = _whole_step(reshard_after_forward, capture.backend)
     traced = {name: len(timings.get(name, [])) - traced_before[name] for name in _REGION_TRACES}
     # Dynamo traced the forward region for the first block and stamped it out for the
-    # others, and the copy-out region once per bucket layout (the root's, a block's) and
-    # stamped out the block's for the other blocks.
-    assert traced == ({"invoke_subgraph_trace": 1 + 2,
-                       "invoke_subgraph_reuse_stamp_out": 2 * (CONFIG.n_layers - 1)}
+    # others, and the copy-in and copy-out regions once per bucket layout (the root's, a
+    # block's) and stamped out the block's for the other blocks.
+    assert traced == ({"invoke_subgraph_trace": 1 + 2 * 2,
+                       "invoke_subgraph_reuse_stamp_out": 3 * (CONFIG.n_layers - 1)}
                       if forward_regions else dict.fromkeys(_REGION_TRACES, 0))
     assert counter.frame_count == 1 and not counters["graph_break"]
     (graph,) = capture.graphs
@@ -177,15 +177,18 @@ def test_whole_step_regathers_each_resharded_group_once_in_backward(
                     if n.target is torch.ops.higher_order.invoke_subgraph]
     copy_outs = [n for n in region_calls if any(
         "wait_tensor" in str(a.target) for a in n.all_input_nodes)]
-    block_calls = [n for n in region_calls if n not in copy_outs]
+    copy_ins = [n for n in region_calls if any(
+        "all_gather_into_tensor" in str(u.target) for item in n.users for u in item.users)]
+    block_calls = [n for n in region_calls if n not in copy_outs and n not in copy_ins]
     # One forward and one backward call per block, of one region each; per block, a
-    # copy-out call for its all-gather and one for its re-gather, of one region (the
-    # root's copy-out, which its autograd.Function holds outside a recompute region,
-    # AOTAutograd inlines).
+    # copy-in and a copy-out call for its all-gather and for its re-gather, of one region
+    # each (the root's copies, which its autograd.Function holds outside a recompute
+    # region, AOTAutograd inlines).
     assert len(block_calls) == (2 * CONFIG.n_layers if forward_regions else 0)
     assert len({n.args[0].target for n in block_calls}) == (2 if forward_regions else 0)
-    assert len(copy_outs) == (2 * CONFIG.n_layers if forward_regions else 0)
-    assert len({n.args[0].target for n in copy_outs}) == (1 if forward_regions else 0)
+    for copies in (copy_ins, copy_outs):
+        assert len(copies) == (2 * CONFIG.n_layers if forward_regions else 0)
+        assert len({n.args[0].target for n in copies}) == (1 if forward_regions else 0)
     assert _gathers(graph) == (N_GROUPS, regathered)
     assert count_collectives(graph)["reduce_scatter"] == N_GROUPS
     kept_weights = [s for s in _kept_for_backward(graph) if s in BLOCK_WEIGHT_SHAPES]
@@ -296,9 +299,11 @@ def test_forward_regions_return_what_torchs_regions_cannot(one_gloo_rank: None) 
             loss = (fsdp_traceable.compile_step(step, backend="aot_eager") if compiled
                     else step)(x)
         traced = {name: len(timings.get(name, [])) - before[name] for name in _REGION_TRACES}
-        # The forward region traced once and stamped out once, and the copy-out region
-        # traced once and stamped out twice (the root's layout is the blocks').
-        assert traced == ({"invoke_subgraph_trace": 1 + 1, "invoke_subgraph_reuse_stamp_out": 1 + 2}
+        # The forward region traced once and stamped out once, and the copy-in and
+        # copy-out regions traced once and stamped out twice each (the root's layout is
+        # the blocks').
+        assert traced == ({"invoke_subgraph_trace": 1 + 2,
+                           "invoke_subgraph_reuse_stamp_out": 1 + 2 * 2}
                           if compiled else dict.fromkeys(_REGION_TRACES, 0))
         results.append((loss, [p.grad.full_tensor() for p in model.parameters()]))
     (loss, grads), (region_loss, region_grads) = results

@@ -26,10 +26,13 @@ __all__ = ["overlap_collectives_across_regions", "reroute_region_inputs_to_backw
 
 def _is_region_call(node: fx.Node) -> bool:
     """Whether ``node`` calls a block's forward region (or its backward): a region call
-    whose input is not a collective's output (that is a copy-out region, see
-    [Note: copy-out regions])."""
-    return (node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
-            and not any(_is_wait(arg) for arg in node.args[2:] if isinstance(arg, fx.Node)))
+    that neither reads a collective's output (a copy-out region) nor feeds a collective
+    (a copy-in region; see [Note: copy regions])."""
+    if node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph:
+        return False
+    reads_collective = any(_is_wait(arg) for arg in node.all_input_nodes)
+    feeds_collective = any(is_collective(user) for item in node.users for user in item.users)
+    return not (reads_collective or feeds_collective)
 
 
 def _view_chain(output: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..tracing import forward_regions_in_use
 from . import comm, copy_backends
 from .bucket_layout import BucketLayout
-from .copy_out_region import copy_out_in_region
+from .copy_regions import copy_in_in_region, copy_out_in_region
 from .shard_info import ShardInfo
 from .validation import check_bucket, check_bucket_bytes
 
@@ -92,7 +92,10 @@ def foreach_all_gather(
                 "(set_symm_mem_for_comm and set_allocate_memory_from_process_group_for_comm "
                 "set one too)"
             )
-        flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
+        if forward_regions_in_use():
+            flat_input = copy_in_in_region(inputs, padded_numels, dtype)
+        else:
+            flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
         return AllGatherResult(comm.all_gather(flat_input, group), layout, None)
     # Eager: copy straight into this rank's slice of the output, as FSDP2 does, so an
     # in-flight all-gather holds one buffer, not two.

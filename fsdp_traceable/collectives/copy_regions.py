@@ -1,18 +1,18 @@
-"""A whole step's all-gather copy-out as one call of a nested compile region per layout.
+"""A whole step's all-gather copies as calls of nested compile regions, one per layout.
 
-[Note: copy-out regions]
+[Note: copy regions]
 Where a whole step runs its blocks as forward regions (see [Note: forward regions] in
 ``fsdp/forward_regions.py``), the forward's compute is traced and compiled once, but
-each block's copy-out (one copy per parameter, and again for the backward's re-gather)
-would still be decomposed by AOTAutograd and generated as C++ or Triton loops by
-Inductor once per block: at 8 blocks, about half the first step's growth per block.
-The copy-out therefore runs as one call of a ``torch.compiler.nested_compile_region``
-keyed by its bucket's layout (world size, sizes, shard dims, dtypes): identical blocks
-share one traced, compiled copy-out, which each block calls. The collective stays
-outside, in the step's graph, where the overlap pass moves it
-(``region_schedule``, which tells a copy-out region by its input: a collective's
-wait). The copy-out runs under ``no_grad`` and returns a fresh tensor per parameter
-(see ``ops._all_gather_copy_out`` under regions), as a region must.
+each block's all-gather copy-in and copy-out (one copy per parameter, and again for
+the backward's re-gather) would still be decomposed by AOTAutograd and generated as
+C++ or Triton loops by Inductor once per block. The copy-in and the copy-out
+therefore run as calls of ``torch.compiler.nested_compile_region`` functions keyed by
+the bucket's layout (world size, sizes, shard dims, dtypes): identical blocks share
+one traced, compiled copy-in and copy-out, which each block calls. The collective
+stays outside, in the step's graph, where the overlap pass moves it, with its copy-in
+(``region_schedule``, which tells a copy region from a block's by what it reads or
+feeds: a collective). The copies run under ``no_grad`` and return fresh tensors (see
+``ops._all_gather_copy_out`` under regions), as a region must.
 """
 
 from __future__ import annotations
@@ -69,17 +69,36 @@ def _key_of(key: int, *_: object) -> int:
 
 
 # Only where forward regions can run (torch's regions take a reuse key).
-_region = (torch.compiler.nested_compile_region(_copy_out, reuse_hash_fn=_key_of)
-           if regions_available() else None)
+_copy_out_region = (torch.compiler.nested_compile_region(_copy_out, reuse_hash_fn=_key_of)
+                    if regions_available() else None)
 
 
 def copy_out_in_region(all_gather_output: torch.Tensor, layout: BucketLayout
                        ) -> list[torch.Tensor]:
     """The unsharded parameters of ``layout``'s bucket from its all-gather output, as
-    one call of the copy-out region of that layout (see [Note: copy-out regions]).
+    one call of the copy-out region of that layout (see [Note: copy regions]).
     Called only while a whole step traces its blocks as forward regions."""
     signature = (layout.world_size, layout.global_sizes_flat, layout.global_ndims,
                  layout.shard_dims, layout.param_dtypes, all_gather_output.dtype)
     # ``+ 0``: a fresh constant (Dynamo gives the call's result a source the region's
     # argument checks would try to guard on).
-    return list(_region(_key_id(signature) + 0, all_gather_output))
+    return list(_copy_out_region(_key_id(signature) + 0, all_gather_output))
+
+
+def _copy_in(key: int, *shards: torch.Tensor) -> torch.Tensor:
+    padded_numels, dtype, _ = _signature(key)
+    return copy_backends.all_gather_copy_in(list(shards), padded_numels, dtype)
+
+
+_copy_in_region = (torch.compiler.nested_compile_region(_copy_in, reuse_hash_fn=_key_of)
+                   if regions_available() else None)
+
+
+def copy_in_in_region(shards: list[torch.Tensor], padded_numels: tuple[int, ...],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The all-gather input of a bucket's ``shards`` (``all_gather_copy_in``), as one
+    call of the copy-in region of their layout (see [Note: copy regions]). Called only
+    while a whole step traces its blocks as forward regions."""
+    shard_layouts = tuple((tuple(shard.shape), shard.dtype) for shard in shards)
+    signature = (padded_numels, dtype, shard_layouts)
+    return _copy_in_region(_key_id(signature) + 0, *shards)
