@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from .wrapping import wrap_once
+from .wrapping import switched_on, wrap_once
 
 _loads_answered: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fsdp_traceable_isa_loads_answered", default=False)
@@ -60,15 +60,7 @@ def _records_loads(vec_isa_class: type) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def isa_load_checks_answered() -> Iterator[bool]:
+def isa_load_checks_answered() -> contextlib.AbstractContextManager[bool]:
     """Within, Inductor's ISA load checks answer yes (see
     :func:`answer_isa_load_checks`); yields whether they do on this torch."""
-    if not answer_isa_load_checks():
-        yield False
-        return
-    token = _loads_answered.set(True)
-    try:
-        yield True
-    finally:
-        _loads_answered.reset(token)
+    return switched_on(answer_isa_load_checks, _loads_answered)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from .wrapping import wrap_once
+from .wrapping import switched_on, wrap_once
 
 _skipped: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fsdp_traceable_header_precompile_skipped", default=False)
@@ -65,15 +65,7 @@ def keys_libraries_before_header() -> bool:
     return 0 <= keyed < precompiled
 
 
-@contextlib.contextmanager
-def header_precompile_skipped() -> Iterator[bool]:
+def header_precompile_skipped() -> contextlib.AbstractContextManager[bool]:
     """Within, Inductor precompiles no C++ header (see
     :func:`skip_header_precompile_on_load`); yields whether it skips on this torch."""
-    if not skip_header_precompile_on_load():
-        yield False
-        return
-    token = _skipped.set(True)
-    try:
-        yield True
-    finally:
-        _skipped.reset(token)
+    return switched_on(skip_header_precompile_on_load, _skipped)

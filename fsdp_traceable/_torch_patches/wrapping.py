@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -32,3 +34,17 @@ def wrap_once(owner: Any, name: str, marker: str,
     setattr(wrapper, marker, True)
     setattr(owner, name, wrapper)
     return True
+
+
+@contextlib.contextmanager
+def switched_on(apply: Callable[[], bool], switch: contextvars.ContextVar[bool]) -> Iterator[bool]:
+    """Within, ``switch`` is on, once ``apply()`` put the patch that reads it in place;
+    yields whether it did (``False`` where torch has nothing to patch)."""
+    if not apply():
+        yield False
+        return
+    token = switch.set(True)
+    try:
+        yield True
+    finally:
+        switch.reset(token)
