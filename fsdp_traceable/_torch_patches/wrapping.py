@@ -1,4 +1,5 @@
-"""The one way a patch replaces a function of torch: once, marked, torch's own kept."""
+"""The one way a patch replaces a function of torch (once, marked, torch's own kept), and
+the switch a patch scoped to a block of code reads."""
 
 from __future__ import annotations
 
