@@ -8,7 +8,8 @@ eager implementations (c10d work, data pointers, ``out=`` buffers) otherwise.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -44,6 +45,19 @@ _REGIONS_AVAILABLE = _reuse_by_key()
 def regions_available() -> bool:
     """Whether this torch's ``nested_compile_region`` reuses a region by key (2.13 on)."""
     return _REGIONS_AVAILABLE
+
+
+def keyed_region(body: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``body`` as a ``torch.compiler.nested_compile_region`` whose calls share a trace
+    when their first argument, an int key, is equal; ``None`` where torch's regions
+    take no key (:func:`regions_available`)."""
+    if not regions_available():
+        return None
+    return torch.compiler.nested_compile_region(body, reuse_hash_fn=_key_of)
+
+
+def _key_of(key: int, *_: Any) -> int:
+    return key
 
 
 def forward_regions_enabled() -> bool:

@@ -38,13 +38,15 @@ class BucketLayout:
     sharded_ndims: tuple[int, ...]
     shard_dims: tuple[int, ...]
     param_dtypes: tuple[torch.dtype, ...]
-    reduce_dtypes: tuple[torch.dtype, ...]
-    orig_dtypes: tuple[torch.dtype, ...]
     # The bucket's one reduce_dtype / orig_dtype, or None where they differ (which the
     # reduction rejects).
     reduce_dtype: torch.dtype | None
     orig_dtype: torch.dtype | None
     offload_to_cpu: tuple[bool, ...]
+    # Per parameter: whether its unsharded rows are fewer than its padded shards' (a
+    # Shard(0) parameter whose dim 0 does not divide by the world size), so the copy-out
+    # strips padding rows.
+    padded_rows: tuple[bool, ...]
 
     @classmethod
     def of(cls, infos: Sequence[ShardInfo]) -> BucketLayout:
@@ -64,11 +66,11 @@ class BucketLayout:
             sharded_ndims=tuple(sharded_ndims),
             shard_dims=tuple(info.shard_dim for info in infos),
             param_dtypes=tuple(info.param_dtype for info in infos),
-            reduce_dtypes=tuple(info.reduce_dtype for info in infos),
-            orig_dtypes=tuple(info.orig_dtype for info in infos),
             reduce_dtype=_the_one({info.reduce_dtype for info in infos}),
             orig_dtype=_the_one({info.orig_dtype for info in infos}),
             offload_to_cpu=tuple(info.offload_to_cpu for info in infos),
+            padded_rows=tuple(info.shard_dim == 0 and info.global_size[0] % info.world_size != 0
+                              for info in infos),
         )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tracing import regions_available
+from ..tracing import keyed_region
 from . import copy_backends
 from .bucket_layout import BucketLayout
 
@@ -41,7 +41,8 @@ def _signature(key: int) -> tuple:
 
 
 def _copy_out(key: int, all_gather_output: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    world_size, global_sizes_flat, global_ndims, shard_dims, param_dtypes, _ = _signature(key)
+    world_size, global_sizes_flat, global_ndims, shard_dims, param_dtypes, padded_rows, _ = (
+        _signature(key))
     unsharded = copy_backends.all_gather_copy_out(
         all_gather_output, world_size, global_sizes_flat, global_ndims, shard_dims,
         param_dtypes)
@@ -49,28 +50,10 @@ def _copy_out(key: int, all_gather_output: torch.Tensor) -> tuple[torch.Tensor, 
     # of a buffer, which a region may not return (AOTAutograd then inlines every region
     # of the step). Its rows are copied out once more, a copy Inductor fuses with the first.
     return tuple(tensor.clone() if padded else tensor
-                 for tensor, padded in zip(unsharded, _padded_rows(key)))
+                 for tensor, padded in zip(unsharded, padded_rows))
 
 
-@torch._dynamo.assume_constant_result
-def _padded_rows(key: int) -> tuple[bool, ...]:
-    """Per parameter of the layout ``key``: whether its copy-out strips padding rows
-    (a ``Shard(0)`` parameter whose dim 0 does not divide by the world size)."""
-    world_size, global_sizes_flat, global_ndims, shard_dims, _, _ = _signatures[key]
-    padded, offset = [], 0
-    for ndim, shard_dim in zip(global_ndims, shard_dims):
-        padded.append(shard_dim == 0 and global_sizes_flat[offset] % world_size != 0)
-        offset += ndim
-    return tuple(padded)
-
-
-def _key_of(key: int, *_: object) -> int:
-    return key
-
-
-# Only where forward regions can run (torch's regions take a reuse key).
-_copy_out_region = (torch.compiler.nested_compile_region(_copy_out, reuse_hash_fn=_key_of)
-                    if regions_available() else None)
+_copy_out_region = keyed_region(_copy_out)
 
 
 def copy_out_in_region(all_gather_output: torch.Tensor, layout: BucketLayout
@@ -79,7 +62,8 @@ def copy_out_in_region(all_gather_output: torch.Tensor, layout: BucketLayout
     one call of the copy-out region of that layout (see [Note: copy regions]).
     Called only while a whole step traces its blocks as forward regions."""
     signature = (layout.world_size, layout.global_sizes_flat, layout.global_ndims,
-                 layout.shard_dims, layout.param_dtypes, all_gather_output.dtype)
+                 layout.shard_dims, layout.param_dtypes, layout.padded_rows,
+                 all_gather_output.dtype)
     # ``+ 0``: a fresh constant (Dynamo gives the call's result a source the region's
     # argument checks would try to guard on).
     return list(_copy_out_region(_key_id(signature) + 0, all_gather_output))
@@ -90,8 +74,7 @@ def _copy_in(key: int, *shards: torch.Tensor) -> torch.Tensor:
     return copy_backends.all_gather_copy_in(list(shards), padded_numels, dtype)
 
 
-_copy_in_region = (torch.compiler.nested_compile_region(_copy_in, reuse_hash_fn=_key_of)
-                   if regions_available() else None)
+_copy_in_region = keyed_region(_copy_in)
 
 
 def copy_in_in_region(shards: list[torch.Tensor], padded_numels: tuple[int, ...],

@@ -147,10 +147,10 @@ def start_foreach_reduce(
     if layout is None:
         layout = BucketLayout.of(infos)
     reduce_dtype = layout.reduce_dtype or check_uniform(
-        layout.reduce_dtypes, "reduce_dtype",
+        [i.reduce_dtype for i in infos], "reduce_dtype",
         "build every ShardInfo of a bucket with one reduce_dtype")
     orig_dtype = layout.orig_dtype or check_uniform(
-        layout.orig_dtypes, "orig_dtype", "bucket parameters of one dtype together")
+        [i.orig_dtype for i in infos], "orig_dtype", "bucket parameters of one dtype together")
     if check:
         check_reduce_state(
             infos, reduce_dtype, has_all_reduce_group=all_reduce_group is not None,

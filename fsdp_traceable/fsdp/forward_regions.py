@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from .. import _torch_patches
-from ..tracing import forward_regions_in_use, regions_available
+from ..tracing import forward_regions_in_use, keyed_region, regions_available
 
 __all__ = ["call_key", "forward_regions_in_use", "region_of", "regions_available",
            "register"]
@@ -183,10 +183,6 @@ def _recorded_call_layout(key: int) -> tuple[int, tuple]:
     return _call_layouts[key]
 
 
-def _key_of(key: int, *_: Any) -> int:
-    return key
-
-
 # [Note: region outputs]
 # torch's regions return tensors only, none of them an input, and refuse reuse by key
 # for anything else (a dict, a ``None`` in a tuple). The region returns the forward's
@@ -286,7 +282,7 @@ def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict],
         _record_output_layout(key, layout, tuple(unsupported))
         return tuple(returned)
 
-    region = torch.compiler.nested_compile_region(run_bound, reuse_hash_fn=_key_of)
+    region = keyed_region(run_bound)
 
     def call(region_call: tuple[int, tuple[torch.Tensor, ...]], module: nn.Module) -> Any:
         key, inputs = region_call

@@ -19,7 +19,11 @@ from ..collectives import ShardInfo
 from ..collectives.bucket_layout import BucketLayout
 from ..collectives.validation import check_bucket_bytes
 from .arguments import shard_placement
-from .features.all_gather_extensions import AllGatherExtension, detect_extension
+from .features.all_gather_extensions import (
+    AllGatherExtension,
+    detect_extension,
+    plain_without_hooks,
+)
 from .features.tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
 from .sharded_params import check_replacement, pinned, shard_info, sharded_param
 from .unsharded_binding import Binding, bind_unsharded, is_bound, unbind_unsharded
@@ -115,7 +119,7 @@ class GroupParams:
         """Per parameter: its all-gather hooks, as its local tensor has them now (looked
         up at every all-gather, as FSDP2 does: hooks may be set after ``fully_shard``)."""
         return [
-            None if _plain_without_hooks(param._local_tensor) else
+            None if plain_without_hooks(param._local_tensor) else
             detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy, holder)
             for fqn, param, info, holder in zip(
                 self.fqns, self.sharded_params, self.infos, self.first_holders)
@@ -126,7 +130,7 @@ class GroupParams:
         (size, shard dim, dtype, device, ``requires_grad`` per parameter), read from the
         sharded parameters in Python; ``None`` where a parameter has all-gather hooks,
         whose outputs only the hooks decide."""
-        if not all(_plain_without_hooks(param._local_tensor) for param in self.sharded_params):
+        if not all(plain_without_hooks(param._local_tensor) for param in self.sharded_params):
             return None
         return tuple(
             (tuple(info.global_size), info.shard_dim, info.param_dtype, self.device,
@@ -254,10 +258,3 @@ def _tp_layout(fqn: str, param: nn.Parameter, mesh: DeviceMesh,
     if spmd is not None:
         return spmd_layout(fqn, param, *spmd, shard_dim)
     return tensor_parallel_layout(fqn, param, mesh, shard_dim)
-
-
-def _plain_without_hooks(local: torch.Tensor) -> bool:
-    """Whether ``local`` is a plain tensor without all-gather hooks bound onto it: the
-    common case, answered in a few bytecodes where Dynamo traces it."""
-    return (type(local) is torch.Tensor and not hasattr(local, "fsdp_pre_all_gather")
-            and not hasattr(local, "fsdp_post_all_gather"))

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ...collectives import AllGatherResult, ShardInfo, comm
 from ...sizes import contiguous_strides
 
+_PRE_HOOK, _POST_HOOK = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 _PRE_HOOK_SIGNATURE = (
     "fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
     "outer_stride: tuple[int, ...], module: nn.Module, mp_policy: MixedPrecisionPolicy)"
@@ -158,8 +159,8 @@ def detect_extension(
             arguments.
         ValueError: a 2-D mesh without dim names (the hooks get the shard sub-mesh).
     """
-    pre = _hook_function(local, "fsdp_pre_all_gather")
-    post = _hook_function(local, "fsdp_post_all_gather")
+    pre = _hook_function(local, _PRE_HOOK)
+    post = _hook_function(local, _POST_HOOK)
     if pre is None and post is None:
         return None
     if pre is None or post is None:
@@ -187,6 +188,14 @@ def detect_extension(
         )
     return AllGatherExtension(
         fqn, info, pre_hook, post[0], num_args == 1, shard_mesh, mp_policy, module)
+
+
+def plain_without_hooks(local: torch.Tensor) -> bool:
+    """Whether ``local`` is a plain tensor without hooks bound onto it, for which
+    :func:`detect_extension` returns ``None``: the common case, answered in a few
+    bytecodes where Dynamo traces it."""
+    return (type(local) is torch.Tensor and not hasattr(local, _PRE_HOOK)
+            and not hasattr(local, _POST_HOOK))
 
 
 def _hook_function(local: torch.Tensor, name: str) -> tuple[Callable[..., object], int] | None:
