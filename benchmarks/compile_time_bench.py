@@ -26,6 +26,9 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
   with ``compile_step(cache_dir=...)`` (in the cache directory): the first process
   compiles the step ahead of its first call and saves it, a restarted one (``--warm``)
   loads it without compiling;
+* ``ours-step-saved-header``: ``ours-step-saved`` loading as torch does, precompiling the
+  C++ kernels' header first (without the torch patch ``skip_header_precompile_on_load``):
+  the baseline of the load's header skip;
 * ``unsharded-whole``: the same model unsharded, whole-model compile + compiled autograd;
 * ``unsharded-step``: the same model unsharded, its whole step by ``compile_step``;
 * ``fsdp2-blocks``: torch FSDP2 with ``block.compile()`` per block (its hooks run
@@ -36,6 +39,8 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 
 ``--warm`` also reruns each configuration in a second process on the first one's
 (now warm) cache directory: a restart's first step against a steady step.
+``--warm-empty-tmpdir`` gives that process an empty temporary directory, where Inductor
+keeps its precompiled headers: a new container on a kept cache directory.
 ``--cache-custom-autograd`` and ``--force-backward-lowering`` set the AOTAutograd cache
 options that decide whether a forward's cache entry is written (see their help).
 
@@ -66,8 +71,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot", "ours-step",
-           "ours-step-regions", "ours-step-saved", "unsharded-whole", "unsharded-step", "fsdp2-blocks",
-           "unsharded-regions")
+           "ours-step-regions", "ours-step-saved", "ours-step-saved-header", "unsharded-whole",
+           "unsharded-step", "fsdp2-blocks", "unsharded-regions")
 
 
 def _compile_mode(config: str) -> str:
@@ -135,8 +140,12 @@ def _child(config: str, layers: int, dim: int, steps: int,
                 return loss.detach()
 
             cache_dir = None
-            if config.endswith("-saved"):
+            if "-saved" in config:
                 cache_dir = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "steps")
+            if config == "ours-step-saved-header":
+                # The load as torch's own (step_cache reads the patch's switch at load).
+                fsdp_traceable._torch_patches.header_precompile_skipped = (
+                    lambda: contextlib.nullcontext(False))
             loss_fn = fsdp_traceable.compile_step(forward_backward, cache_dir=cache_dir)
         elif mode == "whole":
             loss_fn = torch.compile(model.loss, fullgraph=True)
@@ -216,8 +225,11 @@ def _compile_phases(timings: dict[str, list[float]]) -> dict[str, float]:
 
 
 def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
-         cache_custom_autograd: bool = False, force_backward_lowering: bool = False) -> dict:
+         cache_custom_autograd: bool = False, force_backward_lowering: bool = False,
+         tmpdir: str | None = None) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    if tmpdir is not None:
+        env["TMPDIR"] = tmpdir
     if cache_custom_autograd:
         # AOTAutograd's cache refuses graphs holding an autograd.Function unless told
         # they are safe to cache (fully_shard's all-gather is one).
@@ -261,6 +273,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steady steps timed after warm-up")
     parser.add_argument("--warm", action="store_true",
                         help="also rerun each configuration on its warm cache in a new process")
+    parser.add_argument("--warm-empty-tmpdir", action="store_true",
+                        help="run each warm process with an empty temporary directory")
     parser.add_argument("--cache-custom-autograd", action="store_true",
                         help="let AOTAutograd's cache store graphs with autograd.Functions")
     parser.add_argument("--force-backward-lowering", action="store_true",
@@ -291,8 +305,13 @@ def main() -> None:
                        "cold": _run(config, layers, args.dim, args.steps, cache_dir,
                                     args.cache_custom_autograd, args.force_backward_lowering)}
                 if args.warm and "error" not in row["cold"]:
+                    warm_tmp = None
+                    if args.warm_empty_tmpdir:
+                        warm_tmp = os.path.join(tmp, f"{config}-{layers}-warm-tmp")
+                        os.makedirs(warm_tmp)
                     row["warm"] = _run(config, layers, args.dim, args.steps, cache_dir,
-                                       args.cache_custom_autograd, args.force_backward_lowering)
+                                       args.cache_custom_autograd, args.force_backward_lowering,
+                                       warm_tmp)
                 rows.append(row)
                 cold = row["cold"]
                 if "error" in cold:

@@ -42,7 +42,8 @@ def test_ratios_are_against_unsharded_at_the_same_depth_and_growth_from_the_smal
 def test_every_step_configuration_compiles_the_whole_step(bench):
     modes = {config: bench._compile_mode(config) for config in bench.CONFIGS}
     assert {c for c, mode in modes.items() if mode == "step"} == {
-        "ours-step", "ours-step-regions", "ours-step-saved", "unsharded-step"}
+        "ours-step", "ours-step-regions", "ours-step-saved", "ours-step-saved-header",
+        "unsharded-step"}
     assert {c for c, mode in modes.items() if mode == "whole"} == {
         "ours-whole", "unsharded-whole", "unsharded-regions"}
 
