@@ -20,14 +20,14 @@ def skip_header_precompile_on_load() -> bool:
 
     A new process loading C++ kernels (a saved step's) precompiles the common header
     (``cpp_prefix.h``) before looking for the first kernel's library: a preprocessor
-    run and a checksum, about 0.16 s of a restarted 4-block step's 0.9 s first call,
-    and a whole header compile (about 5 s) where the header directory, which lives
-    under the temporary directory and not under ``TORCHINDUCTOR_CACHE_DIR``, is gone
-    (a new container on a kept cache). The library's key is computed before, from a
-    command line that holds the header setting but not the header's path, so every
-    library is found as without the patch; one that is missing is built without the
-    precompiled header (each kernel includes the header itself), which only builds
-    slower. Turning the setting off instead changes every key and rebuilds every kernel.
+    run and a checksum, up to a few tenths of a second of a restarted step's first call,
+    and a whole header compile (about 6 s here) where the header directory, which lives
+    under the temporary directory and not under ``TORCHINDUCTOR_CACHE_DIR``, is gone (a
+    new container on a kept cache; see ``docs/benchmarks.md``). The library's key is
+    computed before, from a command line that holds the header setting but not the
+    header's path, so every library is found as without the patch; one that is missing
+    is built without the precompiled header (each kernel includes the header itself),
+    which only builds slower. Turning the setting off instead changes every key and rebuilds every kernel.
 
     Applies to: torch whose ``codecache`` has ``_precompile_header`` and computes the
     library's key before calling it (2.11 to 2.14; checked in the source).
