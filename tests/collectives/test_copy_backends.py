@@ -154,3 +154,27 @@ def test_auto_on_a_gpu_takes_the_tile_kernels(monkeypatch):
     assert names(9) == names(1000) == ["triton", "triton", "triton"]
     monkeypatch.setattr(copy_backends, "is_tracing", lambda tensors=(): False)
     assert names(1000) == ["triton", "triton", "triton"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("copy_kernels", ["auto", "triton"])
+def test_a_whole_step_with_regions_copies_out_into_a_buffer_per_parameter(
+        monkeypatch, copy_kernels):
+    """A region may not take or return tensors sharing storage: traced with forward
+    regions, the copy-out on a GPU is aten's (a buffer per parameter), not Triton's (views
+    of one); the other copies keep the tile kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        tensors = [torch.empty(4, device="cuda")]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(copy_backends, "is_tracing", lambda tensors=(): True)
+
+    def names() -> list[str]:
+        return [copy_backends.backend_for(tensors, copy, 9).name
+                for copy in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in")]
+
+    with config.patch(copy_kernels=copy_kernels):
+        assert names() == ["triton", "triton", "triton"]
+        monkeypatch.setattr(copy_backends, "forward_regions_in_use", lambda: True)
+        assert names() == ["triton", "inductor", "triton"]
