@@ -35,9 +35,9 @@ demo-collectives: $(STAMP)
 BENCH_OUT := benchmarks/out
 bench: $(STAMP)
 	$(PIP) install -q -e '.[bench]'
-	$(PY) -m fsdp_traceable bench --dim 256 --layers 4 --batch-size 8 --seq-len 64 \
+	$(PY) -m fsdp_traceable bench --inductor-options --dim 256 --layers 4 --batch-size 8 --seq-len 64 \
 		--out $(BENCH_OUT)
-	$(PY) -m fsdp_traceable bench --dim 128 --layers 8 --vocab-size 4096 --batch-size 8 \
+	$(PY) -m fsdp_traceable bench --inductor-options --dim 128 --layers 8 --vocab-size 4096 --batch-size 8 \
 		--seq-len 64 --optimizer sgd --lr 0.05 --out $(BENCH_OUT)/narrow_wide_vocab
 
 bench-publish:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-from ..collectives import foreach_reduce
+from ..collectives import foreach_reduce, inductor_options
 from ..fsdp import FSDPModule
 from ..fsdp import fully_shard as ours_fully_shard
 from ..models.transformer import Transformer, shard_transformer
@@ -51,12 +51,24 @@ def default_modes() -> tuple[str, ...]:
                  if m not in WHOLE_STEP_MODES or dynamo_traces_backward_into_dtensors())
 
 
-def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
+def compiled_options(mode: str, with_inductor_options: bool) -> dict | None:
+    """The Inductor options our compiled ``mode`` compiles with: with
+    ``with_inductor_options``, :func:`~fsdp_traceable.inductor_options` (the whole step
+    without raising collectives, which would move each re-gather to the forward's
+    start), else none: Inductor's defaults."""
+    if not with_inductor_options or mode not in _OURS:
+        return None
+    return inductor_options(raise_collectives=mode not in WHOLE_STEP_MODES)
+
+
+def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh,
+               with_inductor_options: bool):
     """``(step_fn, model)`` for ``mode``; ``step_fn(step)`` runs one training step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = mesh.device_type
     model = copy.deepcopy(base)
     policy = mp_policy_for(args)
+    options = compiled_options(mode, with_inductor_options)
     if mode.startswith("fsdp2"):
         shard_transformer(model, fsdp2_fully_shard, mesh=mesh, mp_policy=policy)
         if mode == "fsdp2-compile-blocks":
@@ -66,7 +78,7 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
         shard_transformer(model, ours_fully_shard, mesh=mesh, mp_policy=policy)
         if mode.startswith("compile-blocks"):
             for layer in model.layers:
-                layer.compile(fullgraph=True)
+                layer.compile(fullgraph=True, options=options)
     elif args.mp == "bf16":  # the unsharded compute-only modes compute in bf16 too
         model.to(torch.bfloat16)
     if mode == "comm-only":
@@ -76,7 +88,7 @@ def _make_step(mode: str, base: Transformer, args: TrainArgs, mesh: DeviceMesh):
         model, compiled_forward=mode in ("compile", "compile-ca", "compute-only-compiled"),
         compiled_autograd=mode in ("compile-ca", "compile-blocks-ca"),
         whole_step=mode in WHOLE_STEP_MODES,
-        optimizer=optimizer if mode == "whole-step-optim" else None)
+        optimizer=optimizer if mode == "whole-step-optim" else None, options=options)
 
     def step_fn(step: int) -> None:
         forward_backward(*batch_for(args, step, rank, world_size, device))
@@ -111,7 +123,8 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _bench_rank(args: TrainArgs, modes: tuple[str, ...], steps: int, result_path: str) -> None:
+def _bench_rank(args: TrainArgs, modes: tuple[str, ...], steps: int, result_path: str,
+                with_inductor_options: bool) -> None:
     """Builds and warms every mode, then times them interleaved: step ``k`` of every
     mode before step ``k + 1`` of any, so slow phases of a shared machine hit all
     modes alike and the ratios hold."""
@@ -123,7 +136,7 @@ def _bench_rank(args: TrainArgs, modes: tuple[str, ...], steps: int, result_path
     torch._dynamo.reset()
     step_fns, first_steps = {}, {}
     for mode in modes:
-        step_fn, _ = _make_step(mode, base, args, mesh)
+        step_fn, _ = _make_step(mode, base, args, mesh, with_inductor_options)
         first_steps[mode] = _timed(step_fn, 0, device)
         step_fn(1)  # second warm-up: lazy state, allocator, caches
         step_fns[mode] = step_fn
@@ -164,13 +177,20 @@ def _timed(step_fn: Callable[[int], None], step: int, device: str) -> float:
     return time.perf_counter() - start
 
 
-def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None = None) -> dict:
+def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None = None,
+              with_inductor_options: bool = False) -> dict:
     """Runs every mode on the same ranks and returns rank 0's figures.
 
+    Args:
+        args: the workload.
+        steps: timed steps per mode.
+        modes: the modes to run; :func:`default_modes` if ``None``.
+        with_inductor_options: compile our modes with
+            :func:`~fsdp_traceable.inductor_options` (see :func:`compiled_options`).
+
     Returns:
-        ``{"args": ..., "modes": {mode: {median_step_ms, first_step_s, peak_bytes,
-        ratio_to_fsdp2_eager}}, "overlap_limit_ms": ..., ...}``; ``modes`` defaults
-        to :func:`default_modes`.
+        ``{"args": ..., "inductor_options": ..., "modes": {mode: {median_step_ms,
+        first_step_s, peak_bytes, ratio_to_fsdp2_eager}}, "overlap_limit_ms": ...}``.
     """
     modes = default_modes() if modes is None else modes
     unknown = set(modes) - set(MODES)
@@ -182,8 +202,8 @@ def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None
         previous_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")
         try:
-            run_on_ranks(_bench_rank, args, modes, steps, path, world_size=args.world_size,
-                         device=args.device)
+            run_on_ranks(_bench_rank, args, modes, steps, path, with_inductor_options,
+                         world_size=args.world_size, device=args.device)
         finally:
             if previous_cache is None:
                 os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
@@ -196,7 +216,7 @@ def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None
     baseline = figures.get("fsdp2-eager", {}).get("median_step_ms")
     for row in figures.values():
         row["ratio_to_fsdp2_eager"] = row["median_step_ms"] / baseline if baseline else None
-    report = {"args": asdict(args), "modes": figures}
+    report = {"args": asdict(args), "inductor_options": with_inductor_options, "modes": figures}
     limits = {}
     comm = figures.get("comm-only", {}).get("median_step_ms")
     for kind, compute_mode in (("eager", "compute-only"), ("compiled", "compute-only-compiled")):

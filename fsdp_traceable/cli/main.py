@@ -36,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_train_arguments(bench)
     bench.add_argument("--bench-steps", type=int, default=10, help="timed steps per mode")
     bench.add_argument("--modes", default=None, help="comma-separated subset of the modes")
+    bench.add_argument("--inductor-options", action="store_true",
+                       help="compile our modes with fsdp_traceable.inductor_options() (the "
+                            "whole step with raise_collectives=False), the README's recipe; "
+                            "without it, Inductor's defaults")
     from .bench_output import add_output_arguments
 
     add_output_arguments(bench, "")
@@ -54,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import train_args_from
 
         modes = tuple(args.modes.split(",")) if args.modes else default_modes()
-        report = run_bench(train_args_from(args), steps=args.bench_steps, modes=modes)
+        report = run_bench(train_args_from(args), steps=args.bench_steps, modes=modes,
+                           with_inductor_options=args.inductor_options)
         if report:
             report["provenance"] = provenance()
             print(format_table(report))

@@ -189,6 +189,7 @@ def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
                         compiled_autograd: bool = False, whole_step: bool = False,
                         forward_backend: Any = "inductor", backward_backend: Any = "inductor",
                         optimizer: torch.optim.Optimizer | None = None,
+                        options: dict[str, Any] | None = None,
                         ) -> Callable[..., torch.Tensor]:
     """``fn(tokens, targets)``: the forward, loss and backward of one step, returning the
     detached loss.
@@ -203,14 +204,16 @@ def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
         backward_backend: compiled autograd's backend.
         optimizer: with ``whole_step``, the optimizer whose step and ``zero_grad()``
             end the compiled step (``compile_step(optimizer=...)``).
+        options: Inductor options of every compile (forward, compiled autograd's
+            backward, the whole step); ``None``: Inductor's defaults.
     """
     assert not (whole_step and (compiled_forward or compiled_autograd))
     assert optimizer is None or whole_step
-    loss_fn = (torch.compile(model.loss, backend=forward_backend, fullgraph=True)
+    loss_fn = (torch.compile(model.loss, backend=forward_backend, fullgraph=True, options=options)
                if compiled_forward else model.loss)
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     if compiled_autograd:
-        compiler = torch.compile(backend=backward_backend, fullgraph=True)
+        compiler = torch.compile(backend=backward_backend, fullgraph=True, options=options)
         backward_context = lambda: torch._dynamo.compiled_autograd._enable(compiler)  # noqa: E731
 
     def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -221,7 +224,8 @@ def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
 
     if not whole_step:
         return forward_backward
-    return compile_step(forward_backward, backend=forward_backend, optimizer=optimizer)
+    return compile_step(forward_backward, backend=forward_backend, optimizer=optimizer,
+                        options=options)
 
 
 def _train_rank(args: TrainArgs, result_path: str) -> None:

@@ -162,15 +162,15 @@ def _apply_unshard(group: UnshardingGroup, accumulated_indices: tuple[int, ...],
 # (unsharded_binding).
 
 
-def _eager_locals(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    nonempty = [i for i, p in enumerate(params) if p.numel()]
+def _eager_locals(params: list[torch.nn.Parameter], nonempty: tuple[bool, ...]) -> list[torch.Tensor]:
     # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
     # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
     # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
-    if len(nonempty) == len(params):
+    if all(nonempty):
         return list(LocalShards.apply(*params))
     locals_ = [p.to_local().detach() for p in params]
-    for i, local in zip(nonempty, LocalShards.apply(*(params[i] for i in nonempty))):
+    indices = [i for i, keep in enumerate(nonempty) if keep]
+    for i, local in zip(indices, LocalShards.apply(*(params[i] for i in indices))):
         locals_[i] = local
     return locals_
 
@@ -210,7 +210,7 @@ def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tu
         sharded_locals = [p.to_local() if nonempty else p.to_local().detach()
                           for p, nonempty in zip(params, group.params.nonempty)]
     else:
-        sharded_locals = _eager_locals(params)
+        sharded_locals = _eager_locals(params, group.params.nonempty)
     accumulated: dict[int, torch.Tensor] = {}
     if traced and torch.is_grad_enabled():
         # Gradients of eager no-sync microbatches join this compiled backward as inputs:

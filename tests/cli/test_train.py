@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from fsdp_traceable.cli.bench import format_table, run_bench, write_outputs
+from fsdp_traceable import inductor_options
+from fsdp_traceable.cli.bench import compiled_options, format_table, run_bench, write_outputs
 from fsdp_traceable.cli.main import main
 from fsdp_traceable.cli.train import TrainArgs, format_summary, train
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
@@ -65,12 +66,23 @@ def test_bench_reports_every_requested_mode(tmp_path) -> None:
     report = run_bench(TrainArgs(**TINY), steps=2, modes=modes)
     assert list(report["modes"]) == list(modes)
     assert report["modes"]["fsdp2-eager"]["ratio_to_fsdp2_eager"] == 1.0
+    assert report["inductor_options"] is False
     assert all(row["median_step_ms"] > 0 and row["peak_bytes"] > 0
                for row in report["modes"].values())
     assert set(report["overlap_limit_ms"]) == {"eager"}
     assert format_table(report).count("\n") == len(modes) + 1
     paths = write_outputs(report, str(tmp_path))
     assert all(p.endswith((".json", ".md", ".png")) for p in paths)
+
+
+def test_bench_compiles_our_modes_with_the_recipe_on_request() -> None:
+    assert compiled_options("compile", False) is None
+    assert compiled_options("compile-ca", True) == inductor_options()
+    assert compiled_options("compile-blocks", True) == inductor_options()
+    # The whole step keeps each re-gather where the backward issues it.
+    assert compiled_options("whole-step", True) == inductor_options(raise_collectives=False)
+    assert compiled_options("fsdp2-compile-blocks", True) is None  # torch's recipe, as is
+    assert compiled_options("compute-only-compiled", True) is None
 
 
 def test_cli_rejects_bad_arguments() -> None:
