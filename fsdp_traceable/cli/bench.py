@@ -234,7 +234,7 @@ def format_table(report: dict) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for mode, row in report["modes"].items():
-        compiled = mode.startswith("compile-") or mode == "compile"
+        compiled = mode.startswith(("compile", "whole-step"))
         limit = limits.get("compiled" if compiled else "eager")
         versus_limit = (
             f"{row['median_step_ms'] / limit:.2f}x"

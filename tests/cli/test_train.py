@@ -85,6 +85,15 @@ def test_bench_compiles_our_modes_with_the_recipe_on_request() -> None:
     assert compiled_options("compute-only-compiled", True) is None
 
 
+def test_bench_table_measures_compiled_modes_against_the_compiled_limit() -> None:
+    row = {"first_step_s": 1.0, "peak_bytes": 2**20, "ratio_to_fsdp2_eager": None}
+    report = {"overlap_limit_ms": {"eager": 100.0, "compiled": 50.0},
+              "modes": {mode: {**row, "median_step_ms": 150.0}
+                        for mode in ("eager", "compile-ca", "whole-step", "compile-blocks")}}
+    versus_limit = [line.split("|")[4].strip() for line in format_table(report).splitlines()[2:]]
+    assert versus_limit == ["1.50x", "3.00x", "3.00x", "3.00x"]
+
+
 def test_cli_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="--dim 30 must be divisible by --heads 4"):
         main(["train", "--dim", "30"])
