@@ -37,7 +37,10 @@ class UnshardingGroup(Protocol):
     params: GroupParams
     settings: GroupSettings
 
-    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]: ...
+    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...],
+                   kept_piece: torch.Tensor | None = None) -> list[torch.Tensor]: ...
+
+    def traced_post_forward_piece(self, sharded_locals: list[torch.Tensor]) -> torch.Tensor: ...
 
     def post_backward(self, unsharded_grads: tuple[torch.Tensor | None, ...],
                       accumulated: dict[int, torch.Tensor] | None) -> list[torch.Tensor | None]: ...
@@ -93,7 +96,9 @@ def _sharded_grad(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
 class UnshardParams(torch.autograd.Function):
     """Forward: copy-in, all-gather, copy-out. Backward: reduce-scatter into sharded grads.
 
-    Inputs are the group's sharded local tensors (from ``DTensor.to_local`` traced,
+    Inputs are the post-forward piece to re-gather from (traced
+    ``reshard_after_forward=N``, else ``None``; see [Note: the post-forward piece,
+    compiled]), the group's sharded local tensors (from ``DTensor.to_local`` traced,
     :class:`LocalShards` eager), then the unsharded gradients that eager no-sync
     microbatches accumulated (by parameter index ``accumulated_indices``), which
     backward adds before reducing; outputs the unsharded parameters. A traced backward
@@ -106,13 +111,13 @@ class UnshardParams(torch.autograd.Function):
     @staticmethod
     @_torch_patches.fresh_outputs  # the all-gather's outputs, never an input
     def forward(ctx, group: UnshardingGroup, accumulated_indices: tuple[int, ...],
-                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                kept_piece: torch.Tensor | None, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.accumulated_indices = accumulated_indices
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
         sharded_locals = inputs[: len(inputs) - len(accumulated_indices)]
         ctx.save_for_backward(*inputs[len(sharded_locals):])
-        unsharded = group.all_gather(sharded_locals)
+        unsharded = group.all_gather(sharded_locals, kept_piece)
         frozen = [t for t, p in zip(unsharded, group.params.sharded_params) if not p.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -125,7 +130,7 @@ class UnshardParams(torch.autograd.Function):
         if not comm.use_traced_path():
             # See [Note: post-accumulate-grad hooks in eager backward].
             ctx.group.hide_post_accumulate_hooks()
-        return (None, None, *sharded_grads, *[None] * len(accumulated))
+        return (None, None, None, *sharded_grads, *[None] * len(accumulated))
 
 
 def _recompute_all_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -142,13 +147,15 @@ def _recompute_all_gather_context():
 _recompute_all_gather_context.cache_hash = "fsdp_traceable.recompute_all_gather.v1"
 
 def _apply_unshard(group: UnshardingGroup, accumulated_indices: tuple[int, ...],
-                   *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                   kept_piece: torch.Tensor | None, *inputs: torch.Tensor
+                   ) -> tuple[torch.Tensor, ...]:
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         # Nothing to differentiate (no_grad, or a frozen group). Not through the
         # Function: Dynamo then traces its forward as a plain call and drops ``ctx``
         # whenever the argument count happens to equal forward's parameter count.
-        return tuple(group.all_gather(inputs[: len(inputs) - len(accumulated_indices)]))
-    return UnshardParams.apply(group, accumulated_indices, *inputs)
+        return tuple(group.all_gather(inputs[: len(inputs) - len(accumulated_indices)],
+                                      kept_piece))
+    return UnshardParams.apply(group, accumulated_indices, kept_piece, *inputs)
 
 
 # [Note: Dynamo reaches parameters through their module]
@@ -191,16 +198,17 @@ def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tu
     """
     if not group.params.infos:  # e.g. a root whose parameters all live in sharded blocks
         return ()
+    traced = comm.use_traced_path()
     post_forward_mesh = group.settings.post_forward_mesh
-    if post_forward_mesh is not None and comm.use_traced_path():
+    if (post_forward_mesh is not None and traced
+            and any(extension is not None for extension in group.params.extensions)):
         size = post_forward_mesh.group_size
         raise NotImplementedError(
-            f"reshard_after_forward={size} (keep 1/{size} of the parameters between "
-            "forward and backward) runs eagerly only: a compiled graph re-gathers from "
-            "the sharded parameters. Under torch.compile use reshard_after_forward=True "
-            "or False (e.g. set_reshard_after_forward(True))"
+            f"reshard_after_forward={size} with all-gather extensions (fsdp_pre_all_gather) "
+            "runs eagerly only: a compiled graph keeps a piece of the all-gather output, "
+            "which the extensions' post hook cannot rebuild from. Under torch.compile use "
+            "reshard_after_forward=True or False (e.g. set_reshard_after_forward(True))"
         )
-    traced = comm.use_traced_path()
     # Not ``sharded_params`` when traced: testing that list makes Dynamo reach its
     # first parameter through it, not through its module (see [Note: Dynamo reaches
     # parameters through their module]).
@@ -219,9 +227,14 @@ def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tu
         accumulated = group.take_accumulated_grads() or {}
     indices = tuple(sorted(accumulated))
     inputs = (*sharded_locals, *(accumulated[i] for i in indices))
+    kept_piece = None
+    if post_forward_mesh is not None and recompute_in_backward:
+        # See [Note: the post-forward piece, compiled]: the region below re-gathers
+        # from the piece, so its input, and what backward keeps, is the piece.
+        kept_piece = group.traced_post_forward_piece(sharded_locals)
     if recompute_in_backward:
         return checkpoint(
-            _apply_unshard, group, indices, *inputs,
+            _apply_unshard, group, indices, kept_piece, *inputs,
             use_reentrant=False, context_fn=_recompute_all_gather_context,
         )
-    return _apply_unshard(group, indices, *inputs)
+    return _apply_unshard(group, indices, kept_piece, *inputs)

@@ -28,6 +28,7 @@ from .autograd_bridge import unshard_params
 from .eager_state import EagerState
 from .features import block_backward
 from .features.all_gather_extensions import PendingUnshard
+from .features.post_forward_mesh import KeptPiece
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
 from .group_params import GroupParams
@@ -241,16 +242,23 @@ class ParamGroup:
         from the module before it would never be used."""
         return any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
 
-    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def all_gather(self, sharded_locals: tuple[torch.Tensor, ...],
+                   kept_piece: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The unsharded parameters (``param_dtype``), from a prefetch when one is in flight.
 
         Called by the group's autograd bridge (``UnshardParams``) with the sharded
-        local tensors it differentiates through.
+        local tensors it differentiates through and, traced with
+        ``reshard_after_forward=N``, the piece of :meth:`traced_post_forward_piece`,
+        which it then re-gathers instead (see [Note: the post-forward piece, compiled]).
         """
         if comm.use_traced_path():
-            pending = group_all_gather.start_all_gather(
-                self.params, list(sharded_locals), streams=None,
-                all_gather_comm=self.settings.all_gather_comm)
+            if kept_piece is not None:
+                pending = self.settings.post_forward_mesh.regather(
+                    KeptPiece(kept_piece, self.params.layout, None), None)
+            else:
+                pending = group_all_gather.start_all_gather(
+                    self.params, list(sharded_locals), streams=None,
+                    all_gather_comm=self.settings.all_gather_comm)
             return self.finish_all_gather(pending)
         if self._eager.unsharded_for_backward is not None:
             # Kept by a backward with reshard_after_backward=False: like FSDP2, the
@@ -272,6 +280,17 @@ class ParamGroup:
             # it is taken now, while the all-gather output is alive.
             self._eager.keep_piece(post_forward_mesh.keep(pending), versions)
         return unsharded
+
+    def traced_post_forward_piece(self, sharded_locals: list[torch.Tensor]) -> torch.Tensor:
+        """Traced, ``reshard_after_forward=N``: this rank's ``1/N`` of the group's
+        all-gather over the whole shard group, what backward re-gathers from (see
+        [Note: the post-forward piece, compiled])."""
+        settings = self.settings
+        with torch.no_grad():
+            pending = group_all_gather.start_all_gather(
+                self.params, sharded_locals, streams=None,
+                all_gather_comm=settings.all_gather_comm)
+            return settings.post_forward_mesh.piece_of(comm.wait(pending.result.pending))
 
     @labelled("all_gather")
     def start_all_gather(self) -> PendingUnshard:

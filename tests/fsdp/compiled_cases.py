@@ -14,8 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
+from fsdp_traceable import compile_step
 from fsdp_traceable.models.transformer import shard_transformer
 from tests.fsdp import parity_cases
 from tests.fsdp.parity_cases import LIBRARIES, UNEVEN, uneven_transformer
@@ -154,4 +156,64 @@ def llama_compiled(rank: int, world_size: int) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
         result[name] = {"losses": losses, "params": full_params(model)}
+    return result
+
+
+# -- reshard_after_forward=N ----------------------------------------------------------------
+
+
+def reshard_to_subgroups_compiled(rank: int, world_size: int, group_size: int
+                                  ) -> dict[str, Any]:
+    """``reshard_after_forward=group_size`` (torchtitan grouping, one block): FSDP2 eager
+    against ours compiled whole with compiled autograd (AOT eager), 3 AdamW steps."""
+    torch._dynamo.reset()
+    counters.clear()
+    result = parity_cases.train_modes(uneven_transformer(config=ONE_BLOCK), rank, world_size,
+                                      parity_cases.titan_shard, MODE,
+                                      reshard_after_forward=group_size)
+    result["ours"]["graph_breaks"] = graph_breaks()
+    return result
+
+
+def reshard_to_subgroups_whole_step(rank: int, world_size: int, group_size: int
+                                    ) -> dict[str, Any]:
+    """``reshard_after_forward=group_size`` (torchtitan grouping, one block): FSDP2 eager
+    against ours with forward, loss and backward as one graph (``compile_step``, AOT
+    eager), 3 AdamW steps; ours also the group size of every all-gather in its graph
+    and whether the backward issues it."""
+    base = uneven_transformer(config=ONE_BLOCK)
+    result: dict[str, Any] = {}
+    for name, fully_shard_fn in LIBRARIES:
+        torch._dynamo.reset()
+        counters.clear()
+        model = parity_cases.titan_shard(copy.deepcopy(base), fully_shard_fn,
+                                         reshard_after_forward=group_size)
+        optimizer = make_optimizer("adamw", model.parameters())
+        graphs: list[torch.fx.GraphModule] = []
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor, model=model) -> torch.Tensor:
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            return loss.detach()
+
+        def keep(gm: torch.fx.GraphModule, example_inputs: Any, graphs=graphs) -> Any:
+            graphs.append(gm)
+            return gm
+
+        backend = aot_autograd(fw_compiler=keep, inference_compiler=keep)
+        run = compile_step(step, backend=backend) if name == "ours" else step
+        losses, grads = [], None
+        for i in range(3):
+            losses.append(run(*batch(i, rank, world_size, ONE_BLOCK)).item())
+            if grads is None:
+                grads = [p.grad.to_local().clone() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+        result[name] = {"losses": losses, "grads": grads, "params": full_params(model),
+                        "graph_breaks": graph_breaks(),
+                        "graphs": len(graphs),
+                        "all_gather_group_sizes": [
+                            (n.args[1], bool(n.meta.get("autograd_backward")))
+                            for gm in graphs[:1] for n in gm.graph.nodes
+                            if "all_gather_into_tensor" in str(n.target)]}
     return result

@@ -1,11 +1,22 @@
 """``reshard_after_forward=N``: FSDP2's post-forward mesh and the piece each rank keeps
-on it between forward and backward, eager.
+on it between forward and backward.
 
 Between a group's forward and its backward each rank keeps ``1/N`` of the forward's
 all-gather output instead of nothing; backward re-gathers it over the rank's group of
 ``N`` ranks (typically one node) instead of over the whole shard group. The gathered
 buffer is the forward's all-gather output bit for bit, so the usual copy-out rebuilds
 the same unsharded parameters.
+
+[Note: the post-forward piece, compiled]
+Eager, the group keeps the piece in its state from the forward's end to the backward.
+A compiled graph keeps what its partitioner saves: the unsharded parameters come out of
+a recompute region (``autograd_bridge.unshard_params``) whose input is the piece, cut
+beforehand from the forward's all-gather over the whole shard group, and whose body is
+the re-gather over the ``N`` ranks and the copy-out. The backward re-runs that body from
+the saved piece, as eager's backward does; the forward runs it too, so a compiled
+forward all-gathers twice per group (over the shard group, then over ``N`` ranks), one
+more all-gather than eager's. The forward's parameters are the re-gathered ones, the
+same bits.
 """
 
 from __future__ import annotations
@@ -39,9 +50,12 @@ class PostForwardMesh:
     def keep(self, gathered: PendingUnshard) -> KeptPiece:
         """This rank's ``1/group_size`` of a completed all-gather's output (a copy, so
         the full output can be freed), with what its copy-out needs."""
-        output = gathered.result.pending.tensor
-        piece = output.chunk(self.group_size)[self.rank].clone()
+        piece = self.piece_of(gathered.result.pending.tensor)
         return KeptPiece(piece, gathered.result.layout, gathered.hook_inputs)
+
+    def piece_of(self, all_gather_output: torch.Tensor) -> torch.Tensor:
+        """This rank's ``1/group_size`` of a group's all-gather output, copied."""
+        return all_gather_output.chunk(self.group_size)[self.rank].clone()
 
     def regather(self, kept: KeptPiece, all_gather_comm: AllGather | None) -> PendingUnshard:
         """Starts the all-gather of the kept pieces that rebuilds the forward's output.
@@ -54,6 +68,9 @@ class PostForwardMesh:
             An in-flight all-gather for ``ParamGroup.finish_all_gather``.
         """
         piece = kept.piece
+        if comm.use_traced_path():
+            pending = comm.all_gather(piece, self.group)
+            return PendingUnshard(AllGatherResult(pending, kept.layout, None), kept.hook_inputs)
         allocate = torch.empty if all_gather_comm is None else all_gather_comm.allocate
         output = allocate((piece.numel() * self.group_size,), dtype=piece.dtype,
                           device=piece.device)

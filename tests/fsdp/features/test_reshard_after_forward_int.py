@@ -1,8 +1,11 @@
 """``reshard_after_forward=N`` against torch's FSDP2 on 4 gloo ranks (groups of 2).
 
-Eager: bitwise losses, gradients and parameters over 3 AdamW steps, and the same
-all-gathers: the forward's over the 4-rank shard group, the backward's over 2-rank
-groups. Compiled: a clear error (the compiled graph cannot keep the post-forward piece).
+Eager, compiled whole with compiled autograd, and compiled as one whole step
+(``compile_step``; both AOT eager): bitwise losses, gradients and parameters over 3
+AdamW steps, and the all-gathers: the forward's over the
+4-rank shard group, the backward's over 2-rank groups (compiled, the forward re-gathers
+over the pair too; see [Note: the post-forward piece, compiled]). On the fake process
+group, what the whole step keeps for backward: the piece, no unsharded parameter.
 """
 
 from __future__ import annotations
@@ -12,18 +15,24 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_traceable import fully_shard
+from fsdp_traceable import compile_step, fully_shard
 from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp import parity_cases
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+from tests.fsdp import compiled_cases, parity_cases
 from tests.fsdp.feature_cases import assert_bitwise, run_cases
+from tests.fsdp.float8_weight import Float8MLP, shard_float8_mlp
 
 
 @pytest.mark.gloo
-def test_eager_matches_fsdp2_bitwise_and_gathers_over_groups_of_2() -> None:
-    cases = [("subgroups", parity_cases.reshard_to_subgroups, (2,))]
+def test_eager_and_compiled_match_fsdp2_bitwise_and_gather_over_groups_of_2() -> None:
+    cases = [("subgroups", parity_cases.reshard_to_subgroups, (2,)),
+             ("compiled", compiled_cases.reshard_to_subgroups_compiled, (2,))]
+    if dynamo_traces_backward_into_dtensors():
+        cases.append(("whole_step", compiled_cases.reshard_to_subgroups_whole_step, (2,)))
     results: list[dict[str, Any]] = run_on_local_ranks(run_cases, 4, cases, timeout_s=300)
     for rank, per_rank in enumerate(results):
         result = per_rank["subgroups"]
@@ -39,6 +48,28 @@ def test_eager_matches_fsdp2_bitwise_and_gathers_over_groups_of_2() -> None:
         assert ours["forward_group_sizes"] == theirs["forward_group_sizes"]
         assert theirs["backward_group_sizes"] == [2, 2, 2, 2]
         assert ours["backward_group_sizes"] == [2, 2, 2]
+        result = per_rank["compiled"]
+        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
+        theirs, ours = result["theirs"], result["ours"]
+        assert ours["graph_breaks"] == {}
+        assert ours["losses"] == theirs["losses"]
+        assert_bitwise(theirs["grads"], ours["grads"], "first-step local gradients (compiled)")
+        assert_bitwise(theirs["params"], ours["params"], "full parameters (compiled)")
+        if "whole_step" not in per_rank:
+            continue
+        result = per_rank["whole_step"]
+        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
+        theirs, ours = result["theirs"], result["ours"]
+        assert ours["graphs"] == 1 and ours["graph_breaks"] == {}
+        assert ours["losses"] == theirs["losses"]
+        assert_bitwise(theirs["grads"], ours["grads"], "first-step local gradients (whole step)")
+        assert_bitwise(theirs["params"], ours["params"], "full parameters (whole step)")
+        # 1 block, [norm, output], root (embeddings only): each group's forward gathers
+        # over the 4 ranks, then over its pair from the piece; backward re-gathers over
+        # the pair for the 2 groups whose backward reads their parameters.
+        sizes = ours["all_gather_group_sizes"]
+        assert [size for size, backward in sizes if not backward] == [4, 2] * 3
+        assert [size for size, backward in sizes if backward] == [2, 2]
 
 
 def test_int_values_map_to_fsdp2_meaning() -> None:
@@ -61,10 +92,56 @@ def test_int_values_map_to_fsdp2_meaning() -> None:
         assert two._fsdp_group.settings.post_forward_mesh is None
 
 
-def test_compiled_forward_raises_clearly() -> None:
+def _forward_values_backward_reads(gm: torch.fx.GraphModule) -> list[torch.Size]:
+    nodes = list(gm.graph.nodes)
+    first = next(i for i, n in enumerate(nodes) if n.meta.get("autograd_backward"))
+    backward = set(nodes[first:])
+    kept = {inp for node in backward for inp in node.all_input_nodes
+            if inp not in backward and inp.op != "placeholder"}
+    return [n.meta["val"].shape for n in kept if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
+                    reason="this torch's Dynamo cannot trace backward() into DTensor parameters")
+def test_whole_step_keeps_the_piece_for_backward() -> None:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (4,))
-        model = fully_shard(nn.Linear(8, 8), mesh=mesh, reshard_after_forward=2)
-        compiled = torch.compile(model, backend="eager", fullgraph=True)
-        with pytest.raises(Exception, match=r"reshard_after_forward=2 .* runs eagerly only"):
-            compiled(torch.randn(2, 8))
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        for module in (model[0], model[2], model):
+            fully_shard(module, mesh=mesh, reshard_after_forward=2)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).sum()
+            loss.backward()
+            return loss.detach()
+
+        backend = aot_autograd(fw_compiler=keep, inference_compiler=keep)
+        compile_step(step, backend=backend)(torch.randn(2, 8, requires_grad=True))
+    (graph,) = graphs
+    gathers = [n for n in graph.graph.nodes if "all_gather_into_tensor" in str(n.target)]
+    # Per group, forward: over the 4 ranks, then over the pair from the piece; backward:
+    # over the pair from the piece, once per group (both backwards read their weight).
+    assert [(n.args[1], bool(n.meta.get("autograd_backward"))) for n in gathers] == [
+        (4, False), (2, False), (4, False), (2, False), (2, True), (2, True)]
+    pieces = {n.args[0] for n in gathers if n.meta.get("autograd_backward")}
+    # Each piece is half of its group's all-gather output: weight and bias, 8 * 16 + 8
+    # and 16 * 8 + 16 elements.
+    assert sorted(p.meta["val"].numel() for p in pieces) == [136 // 2, 144 // 2]
+    kept = _forward_values_backward_reads(graph)
+    assert not [shape for shape in kept if shape in ((16, 8), (8, 16))], kept
+
+
+def test_compiled_with_all_gather_extensions_raises_clearly() -> None:
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (4,))
+        model = shard_float8_mlp(Float8MLP(), fully_shard, mesh=mesh, reshard_after_forward=2)
+        compiled = torch.compile(model.loss, backend="eager", fullgraph=True)
+        with pytest.raises(Exception, match=r"reshard_after_forward=2 with all-gather "
+                                             r"extensions .* runs eagerly only"):
+            compiled(torch.randn(4, 16), torch.randn(4, 5))
