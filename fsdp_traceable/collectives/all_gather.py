@@ -26,7 +26,8 @@ from .validation import check_bucket, check_bucket_bytes
 if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-__all__ = ["AllGatherResult", "foreach_all_gather", "foreach_all_gather_copy_out"]
+__all__ = ["AllGatherResult", "all_gather_output_copy_out", "foreach_all_gather",
+           "foreach_all_gather_copy_out"]
 
 
 class AllGatherResult(NamedTuple):
@@ -128,7 +129,12 @@ def foreach_all_gather_copy_out(result: AllGatherResult) -> list[torch.Tensor]:
     output = comm.wait(result.pending)
     if result.streams is not None:
         result.streams.consume(output)
-    layout = result.layout
+    return all_gather_output_copy_out(output, result.layout)
+
+
+def all_gather_output_copy_out(output: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]:
+    """Unpacks a completed all-gather output of ``layout``'s bucket (every rank's
+    copy-in, in rank order) into unsharded tensors, as :func:`foreach_all_gather_copy_out`."""
     if forward_regions_in_use():
         return copy_out_in_region(output, layout)
     return copy_backends.all_gather_copy_out(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from ..collectives import comm, foreach_all_gather, foreach_all_gather_copy_out
 from .features.all_gather_extensions import (
@@ -28,6 +29,7 @@ def start_all_gather(
     *,
     streams: comm.DeviceStreams | None,
     all_gather_comm: AllGather | None,
+    group: dist.ProcessGroup | None = None,
 ) -> PendingUnshard:
     """Starts the all-gather of ``params`` from their local shards.
 
@@ -36,6 +38,8 @@ def start_all_gather(
         sharded_locals: their local shards (offloaded ones are copied to the device).
         streams: eager, the streams to run it on; ``None`` traced.
         all_gather_comm: a custom all-gather (eager), or ``None``.
+        group: the ranks to gather over, the shard group by default (another: the first
+            step of a two-step all-gather, see [Note: the post-forward piece, compiled]).
 
     Returns:
         The all-gather in flight; :func:`finish_all_gather` waits for it.
@@ -44,12 +48,12 @@ def start_all_gather(
     # Traced too: Dynamo guards on the hooks it finds, so hooks set later recompile.
     extensions = params.extensions
     if all(extension is None for extension in extensions):
-        result = foreach_all_gather(sharded_locals, params.infos, params.shard_group,
+        result = foreach_all_gather(sharded_locals, params.infos, group or params.shard_group,
                                     streams=streams, all_gather_comm=all_gather_comm,
                                     check=False, layout=params.layout)
         return PendingUnshard(result, None)
     hook_inputs = all_gather_inputs(sharded_locals, params.infos, extensions)
-    result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, params.shard_group,
+    result = foreach_all_gather(hook_inputs.tensors, hook_inputs.infos, group or params.shard_group,
                                 streams=streams, all_gather_comm=all_gather_comm)
     return PendingUnshard(result, hook_inputs)
 

@@ -28,7 +28,6 @@ from .autograd_bridge import unshard_params
 from .eager_state import EagerState
 from .features import block_backward
 from .features.all_gather_extensions import PendingUnshard
-from .features.post_forward_mesh import KeptPiece
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
 from .group_params import GroupParams
@@ -253,12 +252,11 @@ class ParamGroup:
         """
         if comm.use_traced_path():
             if kept_piece is not None:
-                pending = self.settings.post_forward_mesh.regather(
-                    KeptPiece(kept_piece, self.params.layout, None), None)
-            else:
-                pending = group_all_gather.start_all_gather(
-                    self.params, list(sharded_locals), streams=None,
-                    all_gather_comm=self.settings.all_gather_comm)
+                return self.settings.post_forward_mesh.traced_unsharded(kept_piece,
+                                                                        self.params.layout)
+            pending = group_all_gather.start_all_gather(
+                self.params, list(sharded_locals), streams=None,
+                all_gather_comm=self.settings.all_gather_comm)
             return self.finish_all_gather(pending)
         if self._eager.unsharded_for_backward is not None:
             # Kept by a backward with reshard_after_backward=False: like FSDP2, the
@@ -282,15 +280,14 @@ class ParamGroup:
         return unsharded
 
     def traced_post_forward_piece(self, sharded_locals: list[torch.Tensor]) -> torch.Tensor:
-        """Traced, ``reshard_after_forward=N``: this rank's ``1/N`` of the group's
-        all-gather over the whole shard group, what backward re-gathers from (see
-        [Note: the post-forward piece, compiled])."""
+        """Traced, ``reshard_after_forward=N``: the all-gather of the local shards across
+        the groups of ``N`` ranks, the piece the forward and the backward re-gather from
+        (see [Note: the post-forward piece, compiled])."""
         settings = self.settings
-        with torch.no_grad():
-            pending = group_all_gather.start_all_gather(
-                self.params, sharded_locals, streams=None,
-                all_gather_comm=settings.all_gather_comm)
-            return settings.post_forward_mesh.piece_of(comm.wait(pending.result.pending))
+        pending = group_all_gather.start_all_gather(
+            self.params, sharded_locals, streams=None, all_gather_comm=settings.all_gather_comm,
+            group=settings.post_forward_mesh.across_groups)
+        return comm.wait(pending.result.pending)
 
     @labelled("all_gather")
     def start_all_gather(self) -> PendingUnshard:

@@ -38,8 +38,9 @@ TORCH_OBJECTS_THAT_SERVE = {
 # Implemented, with a difference from FSDP2 a user can see.
 DIFFERENCES = {
     "fully_shard": "an int `reshard_after_forward` other than 1 or the shard size, "
-                   "compiled, all-gathers once more in forward (over its group of N "
-                   "ranks) and raises `NotImplementedError` with all-gather extensions; a "
+                   "compiled, all-gathers in forward in two steps (across the groups of N "
+                   "ranks, then within one) and raises `NotImplementedError` with "
+                   "all-gather extensions; a "
                    "`ShardPlacementResult` on another mesh raises `NotImplementedError`; "
                    "`dp_mesh_dims` takes one shard dim (several, or none, raise "
                    "`NotImplementedError`) and runs eagerly only (compiled, it raises "

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_traceable import compile_step
 from fsdp_traceable.models.transformer import shard_transformer
@@ -162,6 +164,12 @@ def llama_compiled(rank: int, world_size: int) -> dict[str, Any]:
 # -- reshard_after_forward=N ----------------------------------------------------------------
 
 
+def gathered_ranks(node: torch.fx.Node) -> list[int]:
+    """The global ranks of the process group an all-gather node gathers over."""
+    group = _resolve_process_group(node.args[2])
+    return dist.get_process_group_ranks(group)
+
+
 def reshard_to_subgroups_compiled(rank: int, world_size: int, group_size: int
                                   ) -> dict[str, Any]:
     """``reshard_after_forward=group_size`` (torchtitan grouping, one block): FSDP2 eager
@@ -179,8 +187,8 @@ def reshard_to_subgroups_whole_step(rank: int, world_size: int, group_size: int
                                     ) -> dict[str, Any]:
     """``reshard_after_forward=group_size`` (torchtitan grouping, one block): FSDP2 eager
     against ours with forward, loss and backward as one graph (``compile_step``, AOT
-    eager), 3 AdamW steps; ours also the group size of every all-gather in its graph
-    and whether the backward issues it."""
+    eager), 3 AdamW steps; ours also the ranks of every all-gather in its graph and
+    whether the backward issues it."""
     base = uneven_transformer(config=ONE_BLOCK)
     result: dict[str, Any] = {}
     for name, fully_shard_fn in LIBRARIES:
@@ -212,8 +220,7 @@ def reshard_to_subgroups_whole_step(rank: int, world_size: int, group_size: int
         result[name] = {"losses": losses, "grads": grads, "params": full_params(model),
                         "graph_breaks": graph_breaks(),
                         "graphs": len(graphs),
-                        "all_gather_group_sizes": [
-                            (n.args[1], bool(n.meta.get("autograd_backward")))
-                            for gm in graphs[:1] for n in gm.graph.nodes
-                            if "all_gather_into_tensor" in str(n.target)]}
+                        "all_gather_ranks": [(gathered_ranks(n), bool(n.meta.get("autograd_backward")))
+                                             for gm in graphs[:1] for n in gm.graph.nodes
+                                             if "all_gather_into_tensor" in str(n.target)]}
     return result

@@ -9,14 +9,14 @@ the same unsharded parameters.
 
 [Note: the post-forward piece, compiled]
 Eager, the group keeps the piece in its state from the forward's end to the backward.
-A compiled graph keeps what its partitioner saves: the unsharded parameters come out of
-a recompute region (``autograd_bridge.unshard_params``) whose input is the piece, cut
-beforehand from the forward's all-gather over the whole shard group, and whose body is
-the re-gather over the ``N`` ranks and the copy-out. The backward re-runs that body from
-the saved piece, as eager's backward does; the forward runs it too, so a compiled
-forward all-gathers twice per group (over the shard group, then over ``N`` ranks), one
-more all-gather than eager's. The forward's parameters are the re-gathered ones, the
-same bits.
+A compiled graph keeps what its partitioner saves, so the unsharded parameters come out
+of a recompute region (``autograd_bridge.unshard_params``) whose input is a piece and
+whose body re-gathers it over the rank's ``N`` ranks and copies out; the backward re-runs
+that body from the saved piece. The piece is gathered first, over the ranks at the same
+position in every group of ``N`` (the mesh's other dimension): a two-step all-gather of
+the same bytes as one over the shard group. Gathered so, the ``N`` pieces hold every
+rank's copy-in position-major (rank ``g * N + p`` at ``[p][g]``); one copy puts them in
+rank order for the usual copy-out, which then rebuilds the same bits.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...collectives import AllGatherResult, comm
+from ...collectives.all_gather import all_gather_output_copy_out
 from ...collectives.bucket_layout import BucketLayout
 from .all_gather_extensions import AllGatherInputs, PendingUnshard
 
@@ -46,16 +47,25 @@ class PostForwardMesh:
         self.mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, group_size))
         self.group = self.mesh.get_group(1)
         self.rank = self.mesh.get_local_rank(1)
+        # The ranks at this rank's position in every group (see [Note: the post-forward
+        # piece, compiled]).
+        self.across_groups = self.mesh.get_group(0)
 
     def keep(self, gathered: PendingUnshard) -> KeptPiece:
         """This rank's ``1/group_size`` of a completed all-gather's output (a copy, so
         the full output can be freed), with what its copy-out needs."""
-        piece = self.piece_of(gathered.result.pending.tensor)
+        output = gathered.result.pending.tensor
+        piece = output.chunk(self.group_size)[self.rank].clone()
         return KeptPiece(piece, gathered.result.layout, gathered.hook_inputs)
 
-    def piece_of(self, all_gather_output: torch.Tensor) -> torch.Tensor:
-        """This rank's ``1/group_size`` of a group's all-gather output, copied."""
-        return all_gather_output.chunk(self.group_size)[self.rank].clone()
+    def traced_unsharded(self, piece: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]:
+        """Traced: the unsharded parameters of ``layout``'s bucket from a piece gathered
+        across the groups (see [Note: the post-forward piece, compiled])."""
+        gathered = comm.wait(comm.all_gather(piece, self.group))
+        # [position][group][copy-in] -> [group][position][copy-in]: rank order.
+        groups = layout.world_size // self.group_size
+        rank_ordered = gathered.view(self.group_size, groups, -1).transpose(0, 1)
+        return all_gather_output_copy_out(rank_ordered.reshape(-1), layout)
 
     def regather(self, kept: KeptPiece, all_gather_comm: AllGather | None) -> PendingUnshard:
         """Starts the all-gather of the kept pieces that rebuilds the forward's output.
@@ -68,9 +78,6 @@ class PostForwardMesh:
             An in-flight all-gather for ``ParamGroup.finish_all_gather``.
         """
         piece = kept.piece
-        if comm.use_traced_path():
-            pending = comm.all_gather(piece, self.group)
-            return PendingUnshard(AllGatherResult(pending, kept.layout, None), kept.hook_inputs)
         allocate = torch.empty if all_gather_comm is None else all_gather_comm.allocate
         output = allocate((piece.numel() * self.group_size,), dtype=piece.dtype,
                           device=piece.device)

@@ -3,9 +3,10 @@
 Eager, compiled whole with compiled autograd, and compiled as one whole step
 (``compile_step``; both AOT eager): bitwise losses, gradients and parameters over 3
 AdamW steps, and the all-gathers: the forward's over the
-4-rank shard group, the backward's over 2-rank groups (compiled, the forward re-gathers
-over the pair too; see [Note: the post-forward piece, compiled]). On the fake process
-group, what the whole step keeps for backward: the piece, no unsharded parameter.
+4-rank shard group (compiled, in two steps: across the pairs, then within the pair; see
+[Note: the post-forward piece, compiled]), the backward's over 2-rank groups. On the
+fake process group, what the whole step keeps for backward: the piece, no unsharded
+parameter.
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ def test_eager_and_compiled_match_fsdp2_bitwise_and_gather_over_groups_of_2() ->
         assert_bitwise(theirs["grads"], ours["grads"], "first-step local gradients (whole step)")
         assert_bitwise(theirs["params"], ours["params"], "full parameters (whole step)")
         # 1 block, [norm, output], root (embeddings only): each group's forward gathers
-        # over the 4 ranks, then over its pair from the piece; backward re-gathers over
-        # the pair for the 2 groups whose backward reads their parameters.
-        sizes = ours["all_gather_group_sizes"]
-        assert [size for size, backward in sizes if not backward] == [4, 2] * 3
-        assert [size for size, backward in sizes if backward] == [2, 2]
+        # across the pairs (ranks 0 and 2, or 1 and 3), then within its pair from that
+        # piece; backward re-gathers within the pair for the 2 groups whose backward
+        # reads their parameters.
+        across, pair = [rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1]
+        gathers = ours["all_gather_ranks"]
+        assert [ranks for ranks, backward in gathers if not backward] == [across, pair] * 3
+        assert [ranks for ranks, backward in gathers if backward] == [pair, pair]
 
 
 def test_int_values_map_to_fsdp2_meaning() -> None:
@@ -123,15 +126,22 @@ def test_whole_step_keeps_the_piece_for_backward() -> None:
 
         backend = aot_autograd(fw_compiler=keep, inference_compiler=keep)
         compile_step(step, backend=backend)(torch.randn(2, 8, requires_grad=True))
-    (graph,) = graphs
-    gathers = [n for n in graph.graph.nodes if "all_gather_into_tensor" in str(n.target)]
-    # Per group, forward: over the 4 ranks, then over the pair from the piece; backward:
-    # over the pair from the piece, once per group (both backwards read their weight).
-    assert [(n.args[1], bool(n.meta.get("autograd_backward"))) for n in gathers] == [
-        (4, False), (2, False), (4, False), (2, False), (2, True), (2, True)]
-    pieces = {n.args[0] for n in gathers if n.meta.get("autograd_backward")}
-    # Each piece is half of its group's all-gather output: weight and bias, 8 * 16 + 8
-    # and 16 * 8 + 16 elements.
+        (graph,) = graphs
+        gathers = [n for n in graph.graph.nodes if "all_gather_into_tensor" in str(n.target)]
+        ranks = [(compiled_cases.gathered_ranks(n), bool(n.meta.get("autograd_backward")))
+                 for n in gathers]
+        pieces = [n.args[0] for n in gathers if n.meta.get("autograd_backward")]
+        piece_sources = [compiled_cases.gathered_ranks(p.args[0]) for p in pieces]
+    # Per group (rank 0), forward: across the pairs (ranks 0 and 2), then within its pair
+    # (0 and 1) from that piece; backward: within the pair from the piece, once per group
+    # (both backwards read their weight).
+    across, pair = [0, 2], [0, 1]
+    assert ranks == [(across, False), (pair, False), (across, False), (pair, False),
+                     (pair, True), (pair, True)]
+    # What backward re-gathers is the forward's gather across the pairs, waited: half of
+    # its group's all-gather output (weight and bias, 8 * 16 + 8 and 16 * 8 + 16 elements).
+    assert all("wait_tensor" in str(p.target) for p in pieces)
+    assert piece_sources == [across, across]
     assert sorted(p.meta["val"].numel() for p in pieces) == [136 // 2, 144 // 2]
     kept = _forward_values_backward_reads(graph)
     assert not [shape for shape in kept if shape in ((16, 8), (8, 16))], kept
