@@ -24,15 +24,30 @@ from .fx_ops import is_collective, op_name
 __all__ = ["overlap_collectives_across_regions", "reroute_region_inputs_to_backward"]
 
 
+# What may stand between a collective's wait and the copy-out region that reads it: the
+# rank-order copy of a two-step all-gather (see [Note: the post-forward piece, compiled]).
+_REORDERING_OPS = frozenset({"clone", "_unsafe_view"})
+
+
 def _is_region_call(node: fx.Node) -> bool:
     """Whether ``node`` calls a block's forward region (or its backward): a region call
     that neither reads a collective's output (a copy-out region) nor feeds a collective
     (a copy-in region; see [Note: copy regions])."""
     if node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph:
         return False
-    reads_collective = any(_is_wait(arg) for arg in node.all_input_nodes)
+    reads_collective = any(_reads_wait(arg) for arg in node.all_input_nodes)
     feeds_collective = any(is_collective(user) for item in node.users for user in item.users)
     return not (reads_collective or feeds_collective)
+
+
+def _reads_wait(node: fx.Node) -> bool:
+    """Whether ``node`` is a collective's wait, or views or reorders one."""
+    while not _is_wait(node):
+        if (node.op != "call_function" or len(node.all_input_nodes) != 1
+                or not (getattr(node.target, "is_view", False) or op_name(node) in _REORDERING_OPS)):
+            return False
+        node = node.all_input_nodes[0]
+    return True
 
 
 def _view_chain(output: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:

@@ -19,9 +19,11 @@ import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_traceable import compile_step, fully_shard
+from fsdp_traceable import compile_step, fully_shard, region_schedule
+from fsdp_traceable.fx_ops import op_name
 from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
+from fsdp_traceable.tracing import regions_available
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 from tests.fsdp import compiled_cases, parity_cases
 from tests.fsdp.feature_cases import assert_bitwise, run_cases
@@ -95,6 +97,16 @@ def test_int_values_map_to_fsdp2_meaning() -> None:
         assert two._fsdp_group.settings.post_forward_mesh is None
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.second = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
 def _forward_values_backward_reads(gm: torch.fx.GraphModule) -> list[torch.Size]:
     nodes = list(gm.graph.nodes)
     first = next(i for i, n in enumerate(nodes) if n.meta.get("autograd_backward"))
@@ -115,8 +127,8 @@ def test_whole_step_keeps_the_piece_for_backward() -> None:
 
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (4,))
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-        for module in (model[0], model[2], model):
+        model = nn.Sequential(_Block(), _Block())
+        for module in (*model, model):
             fully_shard(module, mesh=mesh, reshard_after_forward=2)
 
         def step(x: torch.Tensor) -> torch.Tensor:
@@ -125,26 +137,34 @@ def test_whole_step_keeps_the_piece_for_backward() -> None:
             return loss.detach()
 
         backend = aot_autograd(fw_compiler=keep, inference_compiler=keep)
-        compile_step(step, backend=backend)(torch.randn(2, 8, requires_grad=True))
+        compile_step(step, backend=backend)(torch.randn(2, 16, requires_grad=True))
         (graph,) = graphs
         gathers = [n for n in graph.graph.nodes if "all_gather_into_tensor" in str(n.target)]
         ranks = [(compiled_cases.gathered_ranks(n), bool(n.meta.get("autograd_backward")))
                  for n in gathers]
         pieces = [n.args[0] for n in gathers if n.meta.get("autograd_backward")]
         piece_sources = [compiled_cases.gathered_ranks(p.args[0]) for p in pieces]
-    # Per group (rank 0), forward: across the pairs (ranks 0 and 2), then within its pair
-    # (0 and 1) from that piece; backward: within the pair from the piece, once per group
-    # (both backwards read their weight).
+    # Under forward regions, the copy-out reads the rank-order copy of the gathered
+    # pieces: still a copy-out region, which the overlap pass does not take for a
+    # block's compute.
+    copy_outs_after_reorder = [
+        n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph
+        and any(op_name(a) == "_unsafe_view" for a in n.all_input_nodes)
+        and not n.meta.get("autograd_backward")]
+    assert len(copy_outs_after_reorder) == (2 if regions_available() else 0)
+    assert not any(region_schedule._is_region_call(n) for n in copy_outs_after_reorder)
+    # Per block (rank 0), forward: across the pairs (ranks 0 and 2), then within its pair
+    # (0 and 1) from that piece; backward: within the pair from the piece, once per block.
     across, pair = [0, 2], [0, 1]
     assert ranks == [(across, False), (pair, False), (across, False), (pair, False),
                      (pair, True), (pair, True)]
     # What backward re-gathers is the forward's gather across the pairs, waited: half of
-    # its group's all-gather output (weight and bias, 8 * 16 + 8 and 16 * 8 + 16 elements).
+    # its block's all-gather output (2 * (16 * 16 + 16) elements).
     assert all("wait_tensor" in str(p.target) for p in pieces)
     assert piece_sources == [across, across]
-    assert sorted(p.meta["val"].numel() for p in pieces) == [136 // 2, 144 // 2]
+    assert [p.meta["val"].numel() for p in pieces] == [2 * (16 * 16 + 16) // 2] * 2
     kept = _forward_values_backward_reads(graph)
-    assert not [shape for shape in kept if shape in ((16, 8), (8, 16))], kept
+    assert (16, 16) not in kept, kept
 
 
 def test_compiled_with_all_gather_extensions_raises_clearly() -> None:
