@@ -145,26 +145,17 @@ def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
     (with what reads it) moves after the region call that follows it when that call
     does not read it. A collective moves across one region call at most, of its own
     pass (forward or backward): an all-gather raised further would keep its unsharded
-    parameters alive longer.
+    parameters alive longer. The first step of a two-step all-gather moves across two.
     """
     moved = 0
     starts = [n for n in gm.graph.nodes if is_collective(n) and not _is_wait(n)]
     for start in starts:
-        nodes = list(gm.graph.nodes)
-        order = {n: i for i, n in enumerate(nodes)}
-        backward = bool(start.meta.get("autograd_backward"))
-        before = [n for n in nodes[: order[start]]
-                  if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
-        if before:
-            chain = _reach(start, before[-1], order, upstream=True)
-            if chain is not None:
-                for node in chain:
-                    before[-1].prepend(node)
-                moved += 1
+        moved += _raise_across_region(gm, start)
         if op_name(start) != "reduce_scatter_tensor":
             continue
         nodes = list(gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
+        backward = bool(start.meta.get("autograd_backward"))
         waits = [u for u in start.users if _is_wait(u)]
         after = [n for n in nodes[order[start]:]
                  if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
@@ -177,7 +168,33 @@ def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
                 anchor.append(node)
                 anchor = node
             moved += 1
+    # The first step of a two-step all-gather (see [Note: the post-forward piece,
+    # compiled]) came along, with its wait, when the loop above raised the second step,
+    # whose input it is: it moves across one more region call, so that its wait is not
+    # exposed. It holds 1/N of the group's parameters.
+    for start in starts:
+        if any(_is_wait(user) and any(is_collective(u) for u in user.users)
+               for user in start.users):
+            moved += _raise_across_region(gm, start)
     if moved:
         gm.graph.lint()
         gm.recompile()
     return moved
+
+
+def _raise_across_region(gm: fx.GraphModule, start: fx.Node) -> int:
+    """Moves ``start`` (and what it reads after the region call before it, of its own
+    pass) before that region call, unless it depends on it; returns 1 if it moved."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    backward = bool(start.meta.get("autograd_backward"))
+    before = [n for n in nodes[: order[start]]
+              if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
+    if not before:
+        return 0
+    chain = _reach(start, before[-1], order, upstream=True)
+    if chain is None:
+        return 0
+    for node in chain:
+        before[-1].prepend(node)
+    return 1

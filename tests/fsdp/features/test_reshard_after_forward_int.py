@@ -97,6 +97,19 @@ def test_int_values_map_to_fsdp2_meaning() -> None:
         assert two._fsdp_group.settings.post_forward_mesh is None
 
 
+BLOCKS = 4
+
+
+def _wait_of(start: torch.fx.Node) -> torch.fx.Node:
+    (wait,) = start.users
+    return wait
+
+
+def _between(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.Node]:
+    nodes = list(first.graph.nodes)
+    return nodes[nodes.index(first) + 1 : nodes.index(last)]
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -127,7 +140,7 @@ def test_whole_step_keeps_the_piece_for_backward() -> None:
 
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (4,))
-        model = nn.Sequential(_Block(), _Block())
+        model = nn.Sequential(*(_Block() for _ in range(BLOCKS)))
         for module in (*model, model):
             fully_shard(module, mesh=mesh, reshard_after_forward=2)
 
@@ -144,6 +157,10 @@ def test_whole_step_keeps_the_piece_for_backward() -> None:
                  for n in gathers]
         pieces = [n.args[0] for n in gathers if n.meta.get("autograd_backward")]
         piece_sources = [compiled_cases.gathered_ranks(p.args[0]) for p in pieces]
+        first_steps = [n for n, (group, backward) in zip(gathers, ranks)
+                       if group == [0, 2] and not backward]
+        second_steps = [n for n, (group, backward) in zip(gathers, ranks)
+                        if group == [0, 1] and not backward]
     # Under forward regions, the copy-out reads the rank-order copy of the gathered
     # pieces: still a copy-out region, which the overlap pass does not take for a
     # block's compute.
@@ -151,18 +168,26 @@ def test_whole_step_keeps_the_piece_for_backward() -> None:
         n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph
         and any(op_name(a) == "_unsafe_view" for a in n.all_input_nodes)
         and not n.meta.get("autograd_backward")]
-    assert len(copy_outs_after_reorder) == (2 if regions_available() else 0)
+    assert len(copy_outs_after_reorder) == (BLOCKS if regions_available() else 0)
     assert not any(region_schedule._is_region_call(n) for n in copy_outs_after_reorder)
+    # The first step's wait of blocks 3 and 4 comes after the compute of the block two
+    # before (a region call), their second step's after the block before.
+    def overlapped(starts: list[torch.fx.Node]) -> list[torch.fx.Node]:
+        return [start for start in starts if any(
+            region_schedule._is_region_call(n) for n in _between(start, _wait_of(start)))]
+
+    assert overlapped(first_steps) == (first_steps[2:] if regions_available() else [])
+    assert overlapped(second_steps) == (second_steps[1:] if regions_available() else [])
     # Per block (rank 0), forward: across the pairs (ranks 0 and 2), then within its pair
     # (0 and 1) from that piece; backward: within the pair from the piece, once per block.
     across, pair = [0, 2], [0, 1]
-    assert ranks == [(across, False), (pair, False), (across, False), (pair, False),
-                     (pair, True), (pair, True)]
+    assert [group for group, backward in ranks if not backward] == [across, pair] * BLOCKS
+    assert [group for group, backward in ranks if backward] == [pair] * BLOCKS
     # What backward re-gathers is the forward's gather across the pairs, waited: half of
     # its block's all-gather output (2 * (16 * 16 + 16) elements).
     assert all("wait_tensor" in str(p.target) for p in pieces)
-    assert piece_sources == [across, across]
-    assert [p.meta["val"].numel() for p in pieces] == [2 * (16 * 16 + 16) // 2] * 2
+    assert piece_sources == [across] * BLOCKS
+    assert [p.meta["val"].numel() for p in pieces] == [2 * (16 * 16 + 16) // 2] * BLOCKS
     kept = _forward_values_backward_reads(graph)
     assert (16, 16) not in kept, kept
 
