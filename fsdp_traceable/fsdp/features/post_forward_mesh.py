@@ -47,9 +47,17 @@ class PostForwardMesh:
         self.mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, group_size))
         self.group = self.mesh.get_group(1)
         self.rank = self.mesh.get_local_rank(1)
-        # The ranks at this rank's position in every group (see [Note: the post-forward
-        # piece, compiled]).
-        self.across_groups = self.mesh.get_group(0)
+        # The ranks of this rank's shard group at its position in every group of
+        # group_size (see [Note: the post-forward piece, compiled]): the other dimension
+        # of the mesh above on a 1-D mesh. On an HSDP mesh (replicate, shard) that
+        # dimension would span the replicas; there they are each replica's own.
+        if mesh.ndim == 1:
+            self.across_groups = self.mesh.get_group(0)
+        else:
+            groups_per_shard = mesh.mesh.shape[-1] // group_size
+            by_position = (mesh.mesh.reshape(-1, groups_per_shard, group_size)
+                           .transpose(1, 2).reshape(-1, groups_per_shard))
+            self.across_groups = DeviceMesh(mesh.device_type, by_position).get_group(1)
 
     def keep(self, gathered: PendingUnshard) -> KeptPiece:
         """This rank's ``1/group_size`` of a completed all-gather's output (a copy, so

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.device_mesh import init_device_mesh
@@ -200,3 +201,15 @@ def test_compiled_with_all_gather_extensions_raises_clearly() -> None:
         with pytest.raises(Exception, match=r"reshard_after_forward=2 with all-gather "
                                              r"extensions .* runs eagerly only"):
             compiled(torch.randn(4, 16), torch.randn(4, 5))
+
+
+def test_hsdp_gathers_across_groups_within_its_replica() -> None:
+    # Rank 0 of a (replicate 2, shard 4) mesh: its pair is ranks 0 and 1; the compiled
+    # forward's first step gathers across the pairs of its own replica only (0 and 2),
+    # never from the other replica (4 and 6).
+    with fake_process_group(8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        model = fully_shard(nn.Linear(16, 16), mesh=mesh, reshard_after_forward=2)
+        post_forward_mesh = model._fsdp_group.settings.post_forward_mesh
+        assert dist.get_process_group_ranks(post_forward_mesh.group) == [0, 1]
+        assert dist.get_process_group_ranks(post_forward_mesh.across_groups) == [0, 2]
