@@ -23,6 +23,7 @@ from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from fsdp_traceable.tracing import regions_available
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+from tests.whole_step_graphs import backward_nodes, kept_for_backward
 
 needs_whole_step = pytest.mark.skipif(
     not dynamo_traces_backward_into_dtensors(),
@@ -111,35 +112,11 @@ def _whole_step(reshard_after_forward: bool | None, backend: object) -> CompileC
     return counter
 
 
-def _of_input(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a graph input (a sharded parameter) or a view of one."""
-    while getattr(node.target, "is_view", False):
-        node = node.args[0]
-    return node.op == "placeholder"
-
-
-def _backward_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The nodes from the first backward node on (the forward comes first in a whole
-    step; torch 2.12's recompute pass leaves its copies unmarked)."""
-    nodes = list(gm.graph.nodes)
-    first = next(i for i, n in enumerate(nodes) if n.meta.get("autograd_backward"))
-    return set(nodes[first:])
-
-
-def _kept_for_backward(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
-    """Shapes of the forward's values that backward nodes read (inputs aside)."""
-    backward = _backward_nodes(gm)
-    kept = {inp for node in backward for inp in node.all_input_nodes
-            if inp not in backward and not _of_input(inp)}
-    return [tuple(n.meta["val"].shape) for n in kept
-            if isinstance(n.meta.get("val"), torch.Tensor)]
-
-
 def _gathers(gm: torch.fx.GraphModule) -> tuple[int, int]:
     """All-gathers in (forward, backward)."""
     nodes = [n for n in gm.graph.nodes
              if n.op == "call_function" and "all_gather_into_tensor" in str(n.target)]
-    backward = len(_backward_nodes(gm).intersection(nodes))
+    backward = len(backward_nodes(gm).intersection(nodes))
     return len(nodes) - backward, backward
 
 
@@ -191,7 +168,7 @@ def test_whole_step_regathers_each_resharded_group_once_in_backward(
         assert len({n.args[0].target for n in copies}) == (1 if forward_regions else 0)
     assert _gathers(graph) == (N_GROUPS, regathered)
     assert count_collectives(graph)["reduce_scatter"] == N_GROUPS
-    kept_weights = [s for s in _kept_for_backward(graph) if s in BLOCK_WEIGHT_SHAPES]
+    kept_weights = [s for s in kept_for_backward(graph) if s in BLOCK_WEIGHT_SHAPES]
     if regathered:
         assert kept_weights == []  # no block's unsharded weight lives across
     else:

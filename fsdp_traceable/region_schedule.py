@@ -155,10 +155,8 @@ def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
             continue
         nodes = list(gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
-        backward = bool(start.meta.get("autograd_backward"))
         waits = [u for u in start.users if _is_wait(u)]
-        after = [n for n in nodes[order[start]:]
-                 if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
+        after = _region_calls_of_its_pass(nodes[order[start]:], start)
         if len(waits) != 1 or not after:
             continue
         chain = _reach(waits[0], after[0], order, upstream=False)
@@ -187,9 +185,7 @@ def _raise_across_region(gm: fx.GraphModule, start: fx.Node) -> int:
     pass) before that region call, unless it depends on it; returns 1 if it moved."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    backward = bool(start.meta.get("autograd_backward"))
-    before = [n for n in nodes[: order[start]]
-              if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
+    before = _region_calls_of_its_pass(nodes[: order[start]], start)
     if not before:
         return 0
     chain = _reach(start, before[-1], order, upstream=True)
@@ -198,3 +194,10 @@ def _raise_across_region(gm: fx.GraphModule, start: fx.Node) -> int:
     for node in chain:
         before[-1].prepend(node)
     return 1
+
+
+def _region_calls_of_its_pass(nodes: list[fx.Node], collective: fx.Node) -> list[fx.Node]:
+    """The block region calls among ``nodes`` in ``collective``'s pass (forward or backward)."""
+    backward = bool(collective.meta.get("autograd_backward"))
+    return [n for n in nodes
+            if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]

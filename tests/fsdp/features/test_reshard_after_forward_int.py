@@ -29,6 +29,7 @@ from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 from tests.fsdp import compiled_cases, parity_cases
 from tests.fsdp.feature_cases import assert_bitwise, run_cases
 from tests.fsdp.float8_weight import Float8MLP, shard_float8_mlp
+from tests.whole_step_graphs import kept_for_backward
 
 
 @pytest.mark.gloo
@@ -121,15 +122,6 @@ class _Block(nn.Module):
         return self.second(torch.relu(self.first(x)))
 
 
-def _forward_values_backward_reads(gm: torch.fx.GraphModule) -> list[torch.Size]:
-    nodes = list(gm.graph.nodes)
-    first = next(i for i, n in enumerate(nodes) if n.meta.get("autograd_backward"))
-    backward = set(nodes[first:])
-    kept = {inp for node in backward for inp in node.all_input_nodes
-            if inp not in backward and inp.op != "placeholder"}
-    return [n.meta["val"].shape for n in kept if isinstance(n.meta.get("val"), torch.Tensor)]
-
-
 @pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
                     reason="this torch's Dynamo cannot trace backward() into DTensor parameters")
 def test_whole_step_keeps_the_piece_for_backward() -> None:
@@ -189,7 +181,7 @@ def test_whole_step_keeps_the_piece_for_backward() -> None:
     assert all("wait_tensor" in str(p.target) for p in pieces)
     assert piece_sources == [across] * BLOCKS
     assert [p.meta["val"].numel() for p in pieces] == [2 * (16 * 16 + 16) // 2] * BLOCKS
-    kept = _forward_values_backward_reads(graph)
+    kept = kept_for_backward(graph)
     assert (16, 16) not in kept, kept
 
 
