@@ -1,13 +1,16 @@
-"""Per-block compile (``block.compile(fullgraph=True)`` on every block, as torchtitan
-does) of a fully_shard-ed transformer, backward under compiled autograd.
+"""Per-block compile (``block.compile(fullgraph=True)`` on every block after
+``fully_shard``), backward under compiled autograd.
 
-Identical blocks share one compiled forward graph: Dynamo reaches each block's sharded
-parameters through its module (graph inputs, not constants) and guards on nothing
-that differs between blocks, so compile work stays constant in depth. Each block's
-graph holds its group's all-gather (and, in backward, the reduce-scatter and the
-re-gather of reshard-after-forward). Compiled autograd pastes each block's backward
-as one call of a shared region (``fsdp_traceable.backward_regions``), so the backward
-is traced and compiled once too, with every block's collectives outside the region.
+``block.compile()`` compiles the block's compute alone, as FSDP2's per-block compile
+does: the group's all-gather, prefetch and reduce-scatter run eagerly around it (see
+[Note: per-module compile]). Identical blocks share one compiled forward graph: Dynamo
+reaches each block's unsharded parameters through its module (graph inputs, not
+constants) and guards on nothing that differs between blocks, so compile work stays
+constant in depth. Compiled autograd pastes each block's backward as one call of a
+shared region (``fsdp_traceable.backward_regions``), so the backward is traced and
+compiled once too, with every block's collectives (the re-gathers of
+reshard-after-forward, traced from the eager forward's saved tokens, and the
+reduce-scatters) outside the region.
 Its numbers against FSDP2, over changing shapes and models: ``test_recipes.py``.
 """
 
@@ -77,12 +80,30 @@ def test_one_block_graph_for_any_depth(fake_world: None) -> None:
         _compile_blocks(model, forward)
         with track_compiles() as record:
             _train(model, 2)
-        # Every block runs the one graph (and its one AOT backward).
+        # Every block runs the one graph (and its one AOT backward): the compute only.
         assert forward.frame_count == 1, n_layers
-        assert [frame.name for frame in record.frames] == ["forward"]
+        assert [frame.name for frame in record.frames] == ["_fsdp_compute"]
         assert record.graph_breaks.count == 0, record.graph_breaks.reasons
-        # The eager root does not prefetch for the compiled blocks, which gather themselves.
+        (graph,) = forward.graphs
+        assert count_collectives(graph) == Counter()
+        # No eager prefetch is left in flight after the step.
         assert all(not block._fsdp_group.has_prefetch for block in model.layers)
+
+
+def test_blocks_compiled_before_fully_shard_are_converted(fake_world: None) -> None:
+    # torchtitan's order: compile, then shard. fully_shard re-wraps each block's compute
+    # with the same torch.compile settings (here, the counting backend).
+    torch.manual_seed(0)
+    model = Transformer(_config(2))
+    forward = CompileCounterWithBackend("aot_eager")
+    _compile_blocks(model, forward)
+    shard_transformer(model, fsdp_traceable.fully_shard)
+    assert all(block._compiled_call_impl is None for block in model.layers)
+    with track_compiles() as record:
+        _train(model, 2)
+    assert forward.frame_count == 1
+    assert [frame.name for frame in record.frames] == ["_fsdp_compute"]
+    assert count_collectives(forward.graphs[0]) == Counter()
 
 
 def _region_calls(gm: torch.fx.GraphModule) -> list[str]:

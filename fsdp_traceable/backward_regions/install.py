@@ -27,7 +27,8 @@ __all__ = ["install", "supported"]
 
 # The rules that pick graphs, each added once by its installer (e.g. one module function
 # for every fully_shard model): process-wide, as the hook is, and holding no model.
-_predicates: list[Callable[[fx.GraphModule], bool]] = []
+# A rule gets the compiled function (a class) and its backward graph.
+_predicates: list[Callable[[type, fx.GraphModule], bool]] = []
 # Per AOT compiled function (a class): its outlined backward, or None if not outlined.
 # Keyed by the class, not the graph: after an AOTAutograd cache hit every read
 # deserializes a new graph, and all the calls of one compiled block must share one
@@ -49,17 +50,18 @@ def _outline_if_picked(compiled_function: Any, bw_module: fx.GraphModule) -> fx.
     if not config.backward_regions:
         return bw_module
     if compiled_function not in _outlined:
-        picked = any(predicate(bw_module) for predicate in _predicates)
+        picked = any(predicate(compiled_function, bw_module) for predicate in _predicates)
         _outlined[compiled_function] = outline(bw_module) if picked else None
     outlined = _outlined[compiled_function]
     return outlined if outlined is not None else bw_module
 
 
-def install(should_outline: Callable[[fx.GraphModule], bool]) -> bool:
+def install(should_outline: Callable[[type, fx.GraphModule], bool]) -> bool:
     """Outline, from now on, the AOT backwards ``should_outline`` accepts.
 
     Args:
-        should_outline: called once per compiled function with its backward graph.
+        should_outline: called once per compiled function, with the function (the
+            AOT ``CompiledFunction`` class) and its backward graph.
 
     Returns:
         Whether the rewrite is in place (``False`` on a torch without the hook).

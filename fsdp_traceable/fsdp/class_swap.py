@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .features.module_compile import adopt_compiled_call
 from .forward_hooks import ForwardHooks
 from .fsdp_module import INSTANCE_FORWARD, FSDPModule
 from .module_hooks import InnerHooks
@@ -39,3 +40,5 @@ def swap_class(module: nn.Module, cls: type) -> None:
         if "forward" in module.__dict__:  # see [Note: instance forward]
             module.__dict__[INSTANCE_FORWARD] = module.__dict__.pop("forward")
     module.__class__ = cls
+    if issubclass(cls, FSDPModule):
+        adopt_compiled_call(module)  # see [Note: per-module compile]

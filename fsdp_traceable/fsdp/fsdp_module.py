@@ -19,7 +19,10 @@ from torch.distributed.fsdp import UnshardHandle
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
+from ..collectives import comm
 from . import forward_regions
+from .features import block_backward, module_compile
+from .features.module_compile import COMPILED_COMPUTE
 from .forward_hooks import ForwardHooks
 from .param_group import ParamGroup
 from .setting_checks import (
@@ -389,36 +392,62 @@ class FSDPModule(TorchFSDPModule):
         else:
             super().__delattr__(name)
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile``, with FSDP2's split: the module's compute (its forward
+        and the forward hooks that run while its parameters are unsharded) is compiled;
+        the group's all-gather, reduce-scatter and prefetches stay eager around it. See
+        [Note: per-module compile].
+
+        Args:
+            args: ``torch.compile``'s arguments (``fullgraph``, ``backend``, ``options``...).
+            kwargs: the same, by keyword.
+        """
+        module_compile.compile_compute(self, *args, **kwargs)
+
+    def _fsdp_compute(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward between the group's unshard and reshard, its parameters bound."""
+        hooks = self.__dict__["_fsdp_inner_hooks"]
+        if hooks.pre:
+            args, kwargs = hooks.run_pre(self, args, kwargs)
+        instance_forward = self.__dict__.get(INSTANCE_FORWARD)
+        if instance_forward is None:
+            output = super().forward(*args, **kwargs)
+        else:
+            output = instance_forward(*args, **kwargs)
+        if hooks.post:
+            output = hooks.run_post(self, args, kwargs, output)
+        return output
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
         hooks = self.__dict__["_fsdp_inner_hooks"]
-        instance_forward = self.__dict__.get(INSTANCE_FORWARD)
+        # Traced (the module inside a larger compiled graph), the compiled compute is
+        # traced over as the plain one.
+        compiled_compute = (None if comm.use_traced_path()
+                            else self.__dict__.get(COMPILED_COMPUTE))
         # See [Note: forward regions]: a region binds the parameters itself.
-        region_possible = (instance_forward is None and not hooks.pre and not hooks.post
+        region_possible = (compiled_compute is None
+                           and INSTANCE_FORWARD not in self.__dict__
+                           and not hooks.pre and not hooks.post
                            and forward_regions.forward_regions_in_use()
                            and group.region_eligible)
         args, kwargs, scope = group.pre_forward(self, args, kwargs, bind=not region_possible)
         try:
-            if hooks.pre:
-                args, kwargs = hooks.run_pre(self, args, kwargs)
             region_call = None
             if region_possible and scope.unsharded is not None:
                 region_call = forward_regions.call_key(self, scope.unsharded, args, kwargs)
-            if region_call is not None:
+            if compiled_compute is not None:
+                output = block_backward.call_compiled_compute(compiled_compute, args, kwargs)
+            elif region_call is not None:
                 if scope.bound:
                     group.params.unbind()
                     scope = scope._replace(bound=False)
                 output = _forward_region(region_call, self)
-            elif not scope.bound:
-                group.params.bind(scope.unsharded)
-                scope = scope._replace(bound=True)
-                output = super().forward(*args, **kwargs)
-            elif instance_forward is None:
-                output = super().forward(*args, **kwargs)
             else:
-                output = instance_forward(*args, **kwargs)
-            if hooks.post:
-                output = hooks.run_post(self, args, kwargs, output)
+                if not scope.bound:
+                    group.params.bind(scope.unsharded)
+                    scope = scope._replace(bound=True)
+                output = self._fsdp_compute(*args, **kwargs)
         except BaseException:
             group.abort_forward(scope)
             if hooks.post_always:

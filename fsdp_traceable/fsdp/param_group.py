@@ -236,9 +236,10 @@ class ParamGroup:
         return len(self.modules) == 1 and not self.params.has_tp_params
 
     def compiled_on_its_own(self) -> bool:
-        """Whether a module of the group was compiled by itself (``module.compile()``, as
-        per-block compile does): its graph gathers the parameters, so an eager prefetch
-        from the module before it would never be used."""
+        """Whether a module of the group was compiled by itself before ``fully_shard``
+        (torch's ``module.compile()``): its graph gathers the parameters, so an eager
+        prefetch from the module before it would never be used. (``FSDPModule.compile``
+        compiles the compute alone; see [Note: per-module compile].)"""
         return any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
 
     def all_gather(self, sharded_locals: tuple[torch.Tensor, ...],
@@ -481,6 +482,16 @@ class ParamGroup:
                 "set_unshard_in_backward(False) was called on its module: set it back "
                 "to True (False is only for modules whose backward needs no parameters)"
             )
+        if comm.use_traced_path():
+            # Compiled autograd traces the unpack hook of an eager forward's token (see
+            # [Note: per-module compile]). One storage per parameter, as eager's: an
+            # outlined block backward takes them as inputs, which may not alias.
+            pending = group_all_gather.start_all_gather(
+                self.params, [p._local_tensor for p in self.params.sharded_params],
+                streams=None, all_gather_comm=self.settings.all_gather_comm)
+            self._eager.keep_for_backward([t.clone() for t in self.finish_all_gather(pending)])
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            return
         pending = self._take_prefetched(self.params.local_versions())
         if pending is None:
             pending = self.start_all_gather()
@@ -495,7 +506,7 @@ class ParamGroup:
             self.settings.prefetch_backward()
 
     def _end_backward(self) -> None:
-        if log.isEnabledFor(logging.DEBUG):
+        if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
             log.debug("group %r after backward: %s", self.name,
                       "reshard" if self.settings.reshard_after_backward
                       else "keep the unsharded parameters for the next forward")

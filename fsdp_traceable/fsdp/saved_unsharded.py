@@ -41,7 +41,7 @@ class _SavedUnshardedView(NamedTuple):
     attr: str | None  # the inner tensor of a wrapper-subclass parameter, or None
     size: torch.Size
     stride: tuple[int, ...]
-    storage_offset: int
+    offset: int  # in elements, from the parameter's first element
 
 
 class _SavedSubclass(NamedTuple):
@@ -69,9 +69,9 @@ class SavedUnsharded:
     forward, and the saved-tensor hooks that swap them for tokens."""
 
     def __init__(self) -> None:
-        # storage data_ptr -> (group, parameter index, dtype, inner attribute or None)
-        # of every unsharded parameter (or inner tensor of one) registered.
-        self._live: dict[int, tuple[RegatheringGroup, int, torch.dtype, str | None]] = {}
+        # storage data_ptr -> (group, parameter index, dtype, inner attribute or None,
+        # storage offset) of every unsharded parameter (or inner tensor of one) registered.
+        self._live: dict[int, tuple[RegatheringGroup, int, torch.dtype, str | None, int]] = {}
 
     def __len__(self) -> int:
         return len(self._live)
@@ -81,7 +81,7 @@ class SavedUnsharded:
         for index, tensor in enumerate(unsharded):
             for attr, storage_tensor in _storage_tensors(tensor):
                 self._live[storage_tensor.untyped_storage().data_ptr()] = (
-                    group, index, storage_tensor.dtype, attr)
+                    group, index, storage_tensor.dtype, attr, storage_tensor.storage_offset())
 
     def unregister(self, unsharded: list[torch.Tensor]) -> None:
         """Ends what :meth:`register` started (the forward that gathered them ended)."""
@@ -100,9 +100,10 @@ class SavedUnsharded:
         entry = self._live.get(tensor.untyped_storage().data_ptr())
         if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
             return None
-        group, index, _, attr = entry
+        group, index, _, attr, param_offset = entry
         return _SavedUnshardedView(
-            group, index, attr, tensor.size(), tensor.stride(), tensor.storage_offset()
+            group, index, attr, tensor.size(), tensor.stride(),
+            tensor.storage_offset() - param_offset
         )
 
     def _pack(self, tensor: torch.Tensor) -> object:
@@ -127,7 +128,10 @@ def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
     base = saved.group.pre_backward()[saved.index]
     if saved.attr is not None:
         base = getattr(base, saved.attr)
-    return base.as_strided(saved.size, saved.stride, saved.storage_offset)
+    # The re-gathered parameter may start elsewhere in its storage (a traced re-gather's
+    # copy-out slices one buffer), so the view is rebuilt from its first element.
+    # as_strided keeps the slice's storage offset, which Dynamo need not read.
+    return base.view(-1)[saved.offset:].as_strided(saved.size, saved.stride)
 
 
 def _unpack(saved: object) -> torch.Tensor:

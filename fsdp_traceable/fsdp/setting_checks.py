@@ -82,9 +82,10 @@ def prefetch_all(groups: list[ParamGroup]) -> Callable[[], None]:
 
 
 def check_no_sync_eager(groups: list[ParamGroup]) -> None:
-    """Raises ``NotImplementedError`` if a group's module was compiled by itself
-    (``module.compile()``, as per-block compile does): its compiled backward was traced
-    with gradient sync on and reduce-scatters on every backward, so
+    """Raises ``NotImplementedError`` if a group's module was compiled by itself before
+    ``fully_shard`` (``module.compile()`` then ``fully_shard``): its graph holds the
+    group's collectives, and its compiled backward was traced with gradient sync on and
+    reduce-scatters on every backward, so
     ``set_requires_gradient_sync(False)`` (which torch's pipeline schedules call before
     every microbatch's backward) would otherwise be ignored without a word."""
     if torch.compiler.is_compiling():
@@ -93,10 +94,11 @@ def check_no_sync_eager(groups: list[ParamGroup]) -> None:
         if group.compiled_on_its_own():
             raise NotImplementedError(
                 f"set_requires_gradient_sync(False) with the module of group {group.name!r} "
-                f"(parameters {group.params.fqns[:3]}) compiled by itself (module.compile()): its "
-                "compiled backward reduce-scatters on every backward and cannot keep "
-                "unsharded gradients. Run these modules eagerly while accumulating "
-                "without sync (pipeline schedules do for every microbatch), or compile "
-                "a function around the model's last microbatch instead (docs/api.md, "
-                "the no-sync workaround)"
+                f"(parameters {group.params.fqns[:3]}) compiled by itself before fully_shard "
+                "(module.compile() then fully_shard): its compiled backward reduce-scatters "
+                "on every backward and cannot keep unsharded gradients. Call "
+                "module.compile() after fully_shard instead (it compiles the module's "
+                "compute and leaves the collectives eager, as FSDP2), or run these modules "
+                "eagerly while accumulating without sync (docs/api.md, the no-sync "
+                "workaround)"
             )

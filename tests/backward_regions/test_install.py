@@ -49,8 +49,8 @@ def test_wrapped_once_and_each_compiled_function_judged_once(monkeypatch) -> Non
     monkeypatch.setattr(compiled_autograd, "extract_bw_module", lambda cls: backward)
     seen = []
 
-    def pick(gm: fx.GraphModule) -> bool:
-        seen.append(gm)
+    def pick(compiled_function: type, gm: fx.GraphModule) -> bool:
+        seen.append((compiled_function, gm))
         return True
 
     assert install(pick)
@@ -59,7 +59,7 @@ def test_wrapped_once_and_each_compiled_function_judged_once(monkeypatch) -> Non
     assert compiled_autograd.extract_bw_module is wrapper
     outlined = wrapper(_CompiledFunction)
     assert outlined is not backward and wrapper(_CompiledFunction) is outlined
-    assert seen == [backward]
+    assert seen == [(_CompiledFunction, backward)]
     with fsdp_traceable.config.patch(backward_regions=False):
         assert wrapper(_CompiledFunction) is backward
 
@@ -67,7 +67,7 @@ def test_wrapped_once_and_each_compiled_function_judged_once(monkeypatch) -> Non
 def test_graphs_no_predicate_picks_come_back_as_they_are(monkeypatch) -> None:
     backward = _backward_graph()
     monkeypatch.setattr(compiled_autograd, "extract_bw_module", lambda cls: backward)
-    install(lambda gm: False)
+    install(lambda compiled_function, gm: False)
 
     class Other:
         pass

@@ -37,8 +37,10 @@ def _block_backward() -> fx.GraphModule:
     config = TransformerConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
     model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
     block = model.layers[0]
-    block.compile(backend=backend, fullgraph=True)
-    block(torch.randn(2, 8, 16, requires_grad=True)).sum().backward()
+    # torch.compile(block): the block's collectives are in its graph (block.compile()
+    # would compile its compute alone).
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    compiled(torch.randn(2, 8, 16, requires_grad=True)).sum().backward()
     (backward,) = backwards
     return backward
 

@@ -22,8 +22,10 @@ CONFIG = TransformerConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, max_se
 MEMORY_CONFIG = TransformerConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, max_seq_len=64)
 
 
-def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
-    """Bytes of block parameters' unsharded storage that autograd saves for backward.
+def _unsharded_bytes_saved(reshard_after_forward: bool, compile_blocks: bool = False) -> int:
+    """Bytes of block parameters' unsharded storage that autograd saves for backward
+    (with ``compile_blocks``, each block's compute compiled by ``block.compile()``:
+    what its compiled forward saves goes through the same hooks).
 
     Every save is observed: inside FSDP modules by wrapping the pack hook that
     fully_shard installs (it swaps unsharded parameters for tokens), elsewhere by an
@@ -31,6 +33,9 @@ def _unsharded_bytes_saved(reshard_after_forward: bool) -> int:
     unsharded block parameter and it was saved as a tensor, not a token.
     """
     _, _, model = make_models(CONFIG, reshard_after_forward=reshard_after_forward)
+    if compile_blocks:
+        for layer in model.layers:
+            layer.compile(backend="aot_eager", fullgraph=True)
     block_infos = {id(layer._fsdp_group.params.infos[0]) for layer in model.layers}
     # Holding the tensors keeps their addresses from being reused by activations.
     unsharded_storages: dict[int, torch.Tensor] = {}
@@ -81,6 +86,7 @@ def _memory_body(rank: int, world_size: int) -> dict[str, object]:
             model.zero_grad(set_to_none=True)
     return {
         "resharded": _unsharded_bytes_saved(True),
+        "resharded_blocks_compiled": _unsharded_bytes_saved(True, compile_blocks=True),
         "kept": _unsharded_bytes_saved(False),
         "peaks": peaks,
     }
@@ -89,6 +95,7 @@ def _memory_body(rank: int, world_size: int) -> dict[str, object]:
 def test_forward_saves_no_unsharded_params_and_peak_not_above_fsdp2() -> None:
     for result in run_on_local_ranks(_memory_body, 2):
         assert result["resharded"] == 0
+        assert result["resharded_blocks_compiled"] == 0
         # The control: without resharding, autograd saves (views of) every block weight.
         assert result["kept"] >= 4 * CONFIG.n_layers * CONFIG.dim * CONFIG.dim * 4
         # Allocator traffic between steps varies by a buffer now and then: compare each

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import fsdp_traceable
 from fsdp_traceable.fsdp.features.pipeline_state import FullyShardState
@@ -84,12 +85,16 @@ def test_fully_shard_state_is_what_pipeline_stages_reach_for(fake_mesh):
     assert all(p.grad is None for p in stage.parameters())
 
 
-def test_no_sync_through_a_module_compiled_by_itself_raises(fake_mesh):
+def test_no_sync_through_a_module_compiled_before_fully_shard_raises(fake_mesh):
     stage = _sharded_stage(fake_mesh)
-    stage.layers[1].compile()  # lazy: nothing is compiled here
+    # torch's own Module.compile, as a compile before fully_shard leaves it (lazy:
+    # nothing is compiled here): the graph would hold the group's collectives.
+    nn.Module.compile(stage.layers[1])
     with pytest.raises(NotImplementedError,
                        match=r"set_requires_gradient_sync\(False\) with the module of group "
-                             r"'layers.1'.*module.compile\(\)"):
+                             r"'layers.1'.*before fully_shard"):
         stage.set_requires_gradient_sync(False)
     stage.set_requires_gradient_sync(True)
     stage.layers[0].set_requires_gradient_sync(False)  # an eager module: accepted
+    stage.layers[0].compile()  # compiles the compute alone: no-sync still accepted
+    stage.layers[0].set_requires_gradient_sync(False)
