@@ -24,6 +24,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fsdp_traceable
+from fsdp_traceable.fsdp.features.module_compile import COMPILED_COMPUTE
 from fsdp_traceable.models.transformer import (
     Transformer,
     TransformerConfig,
@@ -104,6 +105,21 @@ def test_blocks_compiled_before_fully_shard_are_converted(fake_world: None) -> N
     assert forward.frame_count == 1
     assert [frame.name for frame in record.frames] == ["_fsdp_compute"]
     assert count_collectives(forward.graphs[0]) == Counter()
+
+
+def test_a_module_with_sharded_modules_below_compiles_whole(fake_world: None) -> None:
+    # model.compile() (lazy: nothing compiles here), after fully_shard or before it: the
+    # root keeps torch's compiled call, whose graph traces every group's collectives.
+    for compile_first in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(_config(2))
+        if compile_first:
+            model.compile(backend="aot_eager", fullgraph=True)
+        shard_transformer(model, fsdp_traceable.fully_shard)
+        if not compile_first:
+            model.compile(backend="aot_eager", fullgraph=True)
+        assert model._compiled_call_impl is not None
+        assert COMPILED_COMPUTE not in model.__dict__
 
 
 def _region_calls(gm: torch.fx.GraphModule) -> list[str]:

@@ -393,16 +393,21 @@ class FSDPModule(TorchFSDPModule):
             super().__delattr__(name)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """``nn.Module.compile``, with FSDP2's split: the module's compute (its forward
-        and the forward hooks that run while its parameters are unsharded) is compiled;
-        the group's all-gather, reduce-scatter and prefetches stay eager around it. See
-        [Note: per-module compile].
+        """``nn.Module.compile``, with FSDP2's split where no module below this one is
+        ``fully_shard``-ed (a block): the module's compute (its forward and the forward
+        hooks that run while its parameters are unsharded) is compiled; the group's
+        all-gather, reduce-scatter and prefetches stay eager around it. Otherwise (the
+        root) as torch's: the whole module, collectives included. See [Note: per-module
+        compile].
 
         Args:
             args: ``torch.compile``'s arguments (``fullgraph``, ``backend``, ``options``...).
             kwargs: the same, by keyword.
         """
-        module_compile.compile_compute(self, *args, **kwargs)
+        if module_compile.compiles_compute_alone(self):
+            module_compile.compile_compute(self, *args, **kwargs)
+        else:
+            super().compile(*args, **kwargs)
 
     def _fsdp_compute(self, *args: Any, **kwargs: Any) -> Any:
         """The forward between the group's unshard and reshard, its parameters bound."""

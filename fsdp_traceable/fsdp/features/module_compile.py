@@ -29,6 +29,11 @@ converted when ``fully_shard`` swaps its class: :func:`adopt_compiled_call` re-w
 the module's compute with the same ``torch.compile`` settings, read from the compiled
 call torch left. Where they cannot be read (another torch), the compiled call stays
 and traces the collectives into the block's graph, as before.
+
+Only a module with no ``fully_shard``-ed module below it splits so. One with some (the
+root, ``model.compile()``) is compiled as torch compiles it: its graph takes in the
+modules below, whose collectives it must trace anyway, and its own with them, so
+Inductor can overlap them all (whole-model compile).
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ from . import block_backward
 COMPILED_COMPUTE = "_fsdp_compiled_compute"
 
 
+def compiles_compute_alone(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiles ``module``'s compute alone: no module
+    below it is ``fully_shard``-ed (see [Note: per-module compile])."""
+    return not any("_fsdp_inner_hooks" in m.__dict__ for m in module.modules() if m is not module)
+
+
 def compile_compute(module: nn.Module, *args: Any, **kwargs: Any) -> None:
     """Compiles ``module``'s compute with ``torch.compile(*args, **kwargs)``."""
     block_backward.install_compute_tracking()
@@ -55,7 +66,7 @@ def adopt_compiled_call(module: nn.Module) -> bool:
     """If ``module`` was compiled by torch's ``Module.compile()``, compiles its compute
     alone with the same settings instead; returns whether it did."""
     compiled_call = module.__dict__.get("_compiled_call_impl")
-    if compiled_call is None:
+    if compiled_call is None or not compiles_compute_alone(module):
         return False
     recompile = _same_compile(compiled_call)
     if recompile is None:
