@@ -486,10 +486,8 @@ class ParamGroup:
             # Compiled autograd traces the unpack hook of an eager forward's token (see
             # [Note: per-module compile]). One storage per parameter, as eager's: an
             # outlined block backward takes them as inputs, which may not alias.
-            pending = group_all_gather.start_all_gather(
-                self.params, [p._local_tensor for p in self.params.sharded_params],
-                streams=None, all_gather_comm=self.settings.all_gather_comm)
-            self._eager.keep_for_backward([t.clone() for t in self.finish_all_gather(pending)])
+            unsharded = self.all_gather(tuple(p._local_tensor for p in self.params.sharded_params))
+            self._eager.keep_for_backward([t.clone() for t in unsharded])
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             return
         pending = self._take_prefetched(self.params.local_versions())

@@ -52,15 +52,15 @@ class _ComputeCompiles:
         self._calls_running = 0
         self._before: set[type] | None = None
 
-    def install(self) -> None:
-        # Checked every time: torch._dynamo.reset() clears the callbacks.
+    def _install(self) -> None:
+        # Checked on every call: torch._dynamo.reset() clears the callbacks.
         handler = torch._dynamo.callback.callback_handler
         if self._on_compile_start not in handler.start_callbacks:
             handler.register_start_callback(self._on_compile_start)
             handler.register_end_callback(self._on_compile_end)
 
     def call(self, compiled: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        self.install()
+        self._install()
         self._calls_running += 1
         try:
             return compiled(*args, **kwargs)
@@ -82,16 +82,11 @@ class _ComputeCompiles:
 _compute_compiles = _ComputeCompiles()
 
 
-def install_compute_tracking() -> None:
-    """Records, from now on, the compiled functions of per-module compiled computes,
-    and makes sure compiled autograd outlines their backwards."""
-    _compute_compiles.install()
-    backward_regions.install(is_one_block_backward)
-
-
 def call_compiled_compute(compiled: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``compiled(*args, **kwargs)``, a module's compiled compute (``FSDPModule.compile``);
-    a compile it triggers records its compiled functions."""
+    a compile it triggers records its compiled functions, whose backwards
+    :func:`is_one_block_backward` (installed by :func:`track_group` for every group)
+    then picks."""
     return _compute_compiles.call(compiled, args, kwargs)
 
 

@@ -44,8 +44,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import block_backward
-
 # Where FSDPModule keeps its compiled compute.
 COMPILED_COMPUTE = "_fsdp_compiled_compute"
 
@@ -58,7 +56,6 @@ def compiles_compute_alone(module: nn.Module) -> bool:
 
 def compile_compute(module: nn.Module, *args: Any, **kwargs: Any) -> None:
     """Compiles ``module``'s compute with ``torch.compile(*args, **kwargs)``."""
-    block_backward.install_compute_tracking()
     module.__dict__[COMPILED_COMPUTE] = torch.compile(module._fsdp_compute, *args, **kwargs)
 
 
@@ -71,7 +68,6 @@ def adopt_compiled_call(module: nn.Module) -> bool:
     recompile = _same_compile(compiled_call)
     if recompile is None:
         return False
-    block_backward.install_compute_tracking()
     module.__dict__[COMPILED_COMPUTE] = recompile(module._fsdp_compute)
     module._compiled_call_impl = None
     return True
