@@ -17,20 +17,26 @@ Its numbers against FSDP2, over changing shapes and models: ``test_recipes.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections import Counter
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.utils import run_and_get_code
 
 import fsdp_traceable
 from fsdp_traceable.fsdp.features.module_compile import COMPILED_COMPUTE
+from fsdp_traceable.inspect.inductor_code import overlap
 from fsdp_traceable.models.transformer import (
     Transformer,
     TransformerConfig,
     shard_transformer,
 )
+from fsdp_traceable.region_schedule import CompiledAutogradOverlap
 from fsdp_traceable.testing import count_collectives, track_compiles
+from tests.fixtures import kernel_cache_only
 
 
 def _config(n_layers: int) -> TransformerConfig:
@@ -128,13 +134,17 @@ def _region_calls(gm: torch.fx.GraphModule) -> list[str]:
             if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
 
 
-def test_compiled_autograd_traces_one_block_backward(fake_world: None) -> None:
+def test_compiled_autograd_traces_one_block_backward(
+        fake_world: None, run_inductor_cache_dir) -> None:
     n_layers = 3
     model = _model(n_layers)
     _compile_blocks(model, "aot_eager")
-    backward = CompileCounterWithBackend("aot_eager")
-    with track_compiles() as record:
-        _train(model, 2, torch.compile(backend=backward, fullgraph=True))
+    # Inductor with inductor_options(), whose pass overlaps the collectives below.
+    backward = CompileCounterWithBackend(
+        functools.partial(compile_fx, config_patches=fsdp_traceable.inductor_options()))
+    with track_compiles() as record, kernel_cache_only(run_inductor_cache_dir):
+        _, (code,) = run_and_get_code(
+            lambda: _train(model, 2, torch.compile(backend=backward, fullgraph=True)))
     assert record.graph_breaks.count == 0, record.graph_breaks.reasons
     assert record.recompiles == []
     (graph,) = backward.graphs
@@ -153,6 +163,19 @@ def test_compiled_autograd_traces_one_block_backward(fake_world: None) -> None:
     # reduce-scatter, and the root's reduce-scatter.
     assert count_collectives(graph) == Counter(
         all_gather=n_layers, reduce_scatter=n_layers + 1, wait=2 * n_layers + 1)
+    # Inductor moves no collective across a block's backward region, so each re-gather
+    # would be issued and waited for right before its own block's. The pass of
+    # inductor_options() prefetches: every block's re-gather but the last block's (the
+    # backward's first) runs during the backward region of the block after it.
+    gathers = [entry for entry in overlap(code) if entry.kind == "all_gather"]
+    assert all(entry.waited for entry in gathers)
+    regions_during = [sum(name.startswith("repeated_subgraph") for name in entry.compute)
+                      for entry in gathers]
+    assert regions_during == [0] + [1] * (n_layers - 1)
+    # Outside compiled autograd's compile, the pass moves nothing.
+    order = list(graph.graph.nodes)
+    CompiledAutogradOverlap()(graph.graph)
+    assert list(graph.graph.nodes) == order
 
 
 def test_without_backward_regions_every_block_backward_is_pasted(fake_world: None) -> None:

@@ -10,18 +10,31 @@ graph around torch's recompute pass (``_torch_patches.complete_whole_step_recomp
   region call that follows it, so a block's all-gather runs during the previous
   block's compute. Inductor keeps a collective where the graph puts it, and its
   scheduling passes do not move one across a region call.
+
+The second pass's raise also serves compiled autograd's backward, where each block's
+backward is one region call (``fsdp_traceable.backward_regions``):
+:class:`CompiledAutogradOverlap` runs it there as Inductor's
+``post_grad_custom_post_pass`` (:func:`fsdp_traceable.inductor_options` sets it).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
 import torch.fx as fx
+from torch._guards import CompileContext
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import fx_ops
 
 from .fx_ops import is_collective, op_name
 
-__all__ = ["overlap_collectives_across_regions", "reroute_region_inputs_to_backward"]
+__all__ = ["CompiledAutogradOverlap", "overlap_collectives_across_regions",
+           "reroute_region_inputs_to_backward"]
+
+log = logging.getLogger(__name__)
 
 
 # What may stand between a collective's wait and the copy-out region that reads it: the
@@ -147,13 +160,23 @@ def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
     pass (forward or backward): an all-gather raised further would keep its unsharded
     parameters alive longer. The first step of a two-step all-gather moves across two.
     """
+    moved = _overlap_across_regions(gm.graph)
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
+
+
+def _overlap_across_regions(graph: fx.Graph, *, sink_reduce_waits: bool = True) -> int:
+    """:func:`overlap_collectives_across_regions` on ``graph``, in place; without
+    ``sink_reduce_waits``, only the raise of each collective."""
     moved = 0
-    starts = [n for n in gm.graph.nodes if is_collective(n) and not _is_wait(n)]
+    starts = [n for n in graph.nodes if is_collective(n) and not _is_wait(n)]
     for start in starts:
-        moved += _raise_across_region(gm, start)
-        if op_name(start) != "reduce_scatter_tensor":
+        moved += _raise_across_region(graph, start)
+        if not sink_reduce_waits or op_name(start) != "reduce_scatter_tensor":
             continue
-        nodes = list(gm.graph.nodes)
+        nodes = list(graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
         waits = [u for u in start.users if _is_wait(u)]
         after = _region_calls_of_its_pass(nodes[order[start]:], start)
@@ -173,17 +196,14 @@ def overlap_collectives_across_regions(gm: fx.GraphModule) -> int:
     for start in starts:
         if any(_is_wait(user) and any(is_collective(u) for u in user.users)
                for user in start.users):
-            moved += _raise_across_region(gm, start)
-    if moved:
-        gm.graph.lint()
-        gm.recompile()
+            moved += _raise_across_region(graph, start)
     return moved
 
 
-def _raise_across_region(gm: fx.GraphModule, start: fx.Node) -> int:
+def _raise_across_region(graph: fx.Graph, start: fx.Node) -> int:
     """Moves ``start`` (and what it reads after the region call before it, of its own
     pass) before that region call, unless it depends on it; returns 1 if it moved."""
-    nodes = list(gm.graph.nodes)
+    nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     before = _region_calls_of_its_pass(nodes[: order[start]], start)
     if not before:
@@ -201,3 +221,45 @@ def _region_calls_of_its_pass(nodes: list[fx.Node], collective: fx.Node) -> list
     backward = bool(collective.meta.get("autograd_backward"))
     return [n for n in nodes
             if _is_region_call(n) and bool(n.meta.get("autograd_backward")) == backward]
+
+
+def _compiling_compiled_autograd_graph() -> bool:
+    """Whether the graph being compiled now is compiled autograd's backward."""
+    compile_id = CompileContext.current_compile_id()
+    return compile_id is not None and compile_id.compiled_autograd_id is not None
+
+
+class CompiledAutogradOverlap(CustomGraphPass):
+    """Inductor's ``post_grad_custom_post_pass`` that prefetches each re-gather of
+    compiled autograd's backward one block region ahead.
+
+    With per-block compile, compiled autograd pastes each block's backward as one
+    region call (``fsdp_traceable.backward_regions``) between that block's re-gather
+    and its reduce-scatter. Inductor's overlap passes do not move a collective across a
+    region call, so each re-gather would be issued and waited for right before its
+    block's backward: the eager path's backward prefetch, lost. On compiled autograd's
+    graph this pass issues each re-gather before the backward region of the block after
+    it (the raise of :func:`overlap_collectives_across_regions`). Reduce-scatter waits
+    stay where Inductor puts them: moved past the next region, as the whole step moves
+    them, Inductor's own wait sinking then keeps every block's gradient buffer alive
+    to the end of the backward. On any other graph the pass changes nothing (a whole
+    step runs the full pass in its partitioner already).
+    """
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if not _compiling_compiled_autograd_graph():
+            return
+        moved = _overlap_across_regions(graph, sink_reduce_waits=False)
+        if moved:
+            graph.lint()
+            log.debug("compiled autograd: moved %d collectives across block regions", moved)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__, fx_ops.__file__))
+
+    # Stateless: every instance is the same pass (so equal option dicts compare equal).
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))

@@ -15,6 +15,8 @@ that compute them (several copy kernels per group, each gradient freed early).
 
 from __future__ import annotations
 
+from ..region_schedule import CompiledAutogradOverlap
+
 __all__ = ["OVERLAP_PASSES", "SINK_WAITS_ONLY", "inductor_options"]
 
 # Inductor's passes that move collectives for overlap, in the order they run.
@@ -50,7 +52,13 @@ def inductor_options(
             (``tests/collectives/test_predivide_rounding.py``).
 
         raise_collectives: with ``overlap``, also issue every collective as early as its
-            inputs allow (``raise_comms``, ``reorder_compute_for_overlap``); ``False``
+            inputs allow (``raise_comms``, ``reorder_compute_for_overlap``), and in
+            compiled autograd's backward of per-block compiled blocks, where each
+            block's backward is one region call that Inductor moves nothing across,
+            issue each re-gather one block ahead
+            (:class:`fsdp_traceable.region_schedule.CompiledAutogradOverlap`, set as
+            ``post_grad_custom_post_pass``: to add a pass of your own, chain the two);
+            ``False``
             keeps each where the program issues it and only delays its wait. Use
             ``False`` with :func:`fsdp_traceable.compile_step`: there a resharded
             group's re-gather in backward reads only the sharded parameters, so raising
@@ -72,6 +80,8 @@ def inductor_options(
         options["reorder_for_compute_comm_overlap"] = True
         options["reorder_for_compute_comm_overlap_passes"] = list(
             OVERLAP_PASSES if raise_collectives else SINK_WAITS_ONLY)
+        if raise_collectives:
+            options["post_grad_custom_post_pass"] = CompiledAutogradOverlap()
     if group_copy_kernels:
         options["reorder_for_peak_memory"] = False
     if exact_casts:

@@ -9,6 +9,7 @@ import torch._inductor.config as inductor_config
 
 from fsdp_traceable import inductor_options
 from fsdp_traceable.collectives.inductor_options import OVERLAP_PASSES, SINK_WAITS_ONLY
+from fsdp_traceable.region_schedule import CompiledAutogradOverlap
 
 
 def test_every_option_is_an_inductor_config_entry() -> None:
@@ -24,11 +25,16 @@ def test_switches_select_their_own_settings() -> None:
     assert inductor_options(overlap=False, group_copy_kernels=False) == {
         "emulate_precision_casts": True,
     }
-    assert set(inductor_options(group_copy_kernels=False, exact_casts=False)) == {
-        "reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
+    assert inductor_options(group_copy_kernels=False, exact_casts=False) == {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES),
+        "post_grad_custom_post_pass": CompiledAutogradOverlap(),
     }
-    assert inductor_options(raise_collectives=False)[
-        "reorder_for_compute_comm_overlap_passes"] == list(SINK_WAITS_ONLY)
+    assert inductor_options(raise_collectives=False, group_copy_kernels=False,
+                            exact_casts=False) == {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": list(SINK_WAITS_ONLY),
+    }
 
 
 @pytest.mark.parametrize("name", ["overlap", "group_copy_kernels", "exact_casts",
