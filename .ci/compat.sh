@@ -20,8 +20,10 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # recompile tests of the train loop and dynamic batch size, the compiled
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
 # (hooked into compiled autograd, feature-detected), the whole step as one graph (2.13+;
-# on 2.11 its clear error), and the patches of torch (each one applied, and still needed
-# on this torch). The main job runs the rest on the pinned torch.
+# on 2.11 its clear error), the patches of torch (each one applied, and still needed
+# on this torch), and torch's pipeline schedules driving fully_shard stages against
+# FSDP2 (what the schedules call changes between releases). The main job runs the rest
+# on the pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
 # sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
@@ -44,6 +46,7 @@ SUBSET=(
   compile_tests/test_whole_step.py
   compile_tests/test_step_cache.py
   compile_tests/test_traced_optimizer.py
+  tests/fsdp/features/test_pipeline_parallel.py
 )
 
 # The registry's triton-kernels and ours, imported side by side from outside the clone.

@@ -6,6 +6,8 @@ moves them through the methods below, one per transition.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .features.all_gather_extensions import PendingUnshard
@@ -109,6 +111,11 @@ class EagerState:
             self._forward_unsharded = None
             return None
         return [t.detach() for t in self._forward_unsharded]
+
+    def holds_forward_unsharded(self, versions: Callable[[], Versions]) -> bool:
+        """Whether forward's parameters are held and no parameter changed since
+        (``versions()``: the parameters' versions now, read only if some are held)."""
+        return self._forward_unsharded is not None and self.forward_unsharded(versions()) is not None
 
     def end_backward(self, reshard_after_backward: bool) -> None:
         """A backward's end: drops its parameters when resharding, otherwise holds

@@ -215,6 +215,8 @@ class ParamGroup:
         if not self.params.sharded_params or self.compiled_on_its_own():
             return
         self.params.check_materialized()
+        if self._eager.holds_forward_unsharded(self.params.local_versions):
+            return  # still unsharded from a forward that keeps them, as FSDP2's group
         if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("prefetch: all-gather of group %r issued early", self.name)
@@ -379,9 +381,10 @@ class ParamGroup:
                     child.prefetch()
             if self.settings.reshard_after_forward:
                 self._root_state.saved_unsharded.register(self, list(unsharded))
-            elif torch.is_grad_enabled() and self.params.has_trainable:
+            elif self.params.has_trainable:
                 # Its backward reshards them, or keeps them for the next forward; until
-                # then forwards reuse them, as FSDP2's unsharded group.
+                # then forwards reuse them, as FSDP2's unsharded group (after a no_grad
+                # forward too, as pipeline stages' shape inference runs one).
                 self._eager.keep_forward_unsharded(tuple(unsharded), self.params.local_versions())
         return args, kwargs, ForwardScope(unsharded, self._enter_hooks(traced), bound)
 

@@ -309,6 +309,17 @@ def unshard_life_cycle(rank: int, world_size: int, async_op: bool, mode: str = "
             outputs.append(forward(batch(9, rank, world_size, UNEVEN)[0]))
         sums.append(outputs[-1].sum().item())
         result[name] = {"sums": sums, "outputs": outputs, "params": full_params(model)}
+        if ours_mode == "eager":
+            # The root does not reshard after forward, a no-grad one included: FSDP2's
+            # unshard() and the next forward then gather the blocks only.
+            with record_all_gathers(lambda output, input, group: input.numel()) as gathers:
+                handles = [m.unshard(async_op=async_op) for m in model.modules()
+                           if isinstance(m, TorchFSDPModule)]
+                for handle in handles:
+                    if handle is not None:
+                        handle.wait()
+                forward(batch(10, rank, world_size, UNEVEN)[0])
+            result[name]["gathers_after_no_grad"] = gathers
     return result
 
 

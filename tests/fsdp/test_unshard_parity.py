@@ -4,7 +4,8 @@
 with the handle waited once and left to the forward once), a plain third step, then a
 bare ``unshard()``/``reshard()`` and a no-grad forward: the forward outputs (the one
 after each optimizer step must use the new weights) and the parameters are FSDP2's,
-bit for bit.
+bit for bit. Then ``unshard()`` and a forward issue FSDP2's all-gathers: the root's
+parameters, kept since the no-grad forward, are not gathered again.
 """
 
 from __future__ import annotations
@@ -31,4 +32,8 @@ def test_unshard_life_cycle_matches_fsdp2(ranks, async_op: bool):
         result = per_rank[f"async_{async_op}"]
         assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
         assert result["ours"]["sums"] == result["theirs"]["sums"]
+        # After the no-grad forward: the same all-gathers (by size), the root's not among them.
+        gathers = result["theirs"]["gathers_after_no_grad"]
+        assert result["ours"]["gathers_after_no_grad"] == gathers
+        assert len(gathers) == parity_cases.UNEVEN.n_layers
         assert_bitwise(result["theirs"]["params"], result["ours"]["params"], "parameters")
