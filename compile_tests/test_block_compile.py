@@ -163,15 +163,16 @@ def test_compiled_autograd_traces_one_block_backward(
     # reduce-scatter, and the root's reduce-scatter.
     assert count_collectives(graph) == Counter(
         all_gather=n_layers, reduce_scatter=n_layers + 1, wait=2 * n_layers + 1)
-    # Inductor moves no collective across a block's backward region, so each re-gather
-    # would be issued and waited for right before its own block's. The pass of
-    # inductor_options() prefetches: every block's re-gather but the last block's (the
-    # backward's first) runs during the backward region of the block after it.
+    # Inductor moves no collective across a block's backward region by itself, so each
+    # re-gather would be issued and waited for right before its own block's ([0, 0, 0]).
+    # The pass of inductor_options() prefetches: every block's re-gather but the last
+    # block's (the backward's first) runs during the backward region of the block after
+    # it at least (Inductor's raise_comms may then issue one earlier still).
     gathers = [entry for entry in overlap(code) if entry.kind == "all_gather"]
     assert all(entry.waited for entry in gathers)
     regions_during = [sum(name.startswith("repeated_subgraph") for name in entry.compute)
                       for entry in gathers]
-    assert regions_during == [0] + [1] * (n_layers - 1)
+    assert regions_during[0] == 0 and min(regions_during[1:]) >= 1, regions_during
     # Outside compiled autograd's compile, the pass moves nothing.
     order = list(graph.graph.nodes)
     CompiledAutogradOverlap()(graph.graph)

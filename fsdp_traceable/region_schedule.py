@@ -256,6 +256,9 @@ class CompiledAutogradOverlap(CustomGraphPass):
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, fx_ops.__file__))
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     # Stateless: every instance is the same pass (so equal option dicts compare equal).
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self)

@@ -123,8 +123,8 @@ def test_cli_explain_prints_the_report_and_writes_dumps(tmp_path, capsys) -> Non
     assert printed.splitlines()[1] == (
         "Inductor config: reorder_for_compute_comm_overlap=True, "
         "reorder_for_compute_comm_overlap_passes=['sink_waits', 'raise_comms', "
-        "'reorder_compute_for_overlap'], reorder_for_peak_memory=False, "
-        "emulate_precision_casts=True")
+        "'reorder_compute_for_overlap'], post_grad_custom_post_pass=CompiledAutogradOverlap(), "
+        "reorder_for_peak_memory=False, emulate_precision_casts=True")
     assert (tmp_path / "report.txt").read_text() == printed
     assert (tmp_path / "dynamo_graph_0.py").exists()
 
