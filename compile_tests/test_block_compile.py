@@ -163,8 +163,8 @@ def test_compiled_autograd_traces_one_block_backward(
     # reduce-scatter, and the root's reduce-scatter.
     assert count_collectives(graph) == Counter(
         all_gather=n_layers, reduce_scatter=n_layers + 1, wait=2 * n_layers + 1)
-    # Inductor moves no collective across a block's backward region by itself, so each
-    # re-gather would be issued and waited for right before its own block's ([0, 0, 0]).
+    # Without it, Inductor issues and waits for each re-gather right before its own
+    # block's backward region ([0, 0, 0]).
     # The pass of inductor_options() prefetches: every block's re-gather but the last
     # block's (the backward's first) runs during the backward region of the block after
     # it at least (Inductor's raise_comms may then issue one earlier still).

@@ -234,9 +234,10 @@ class CompiledAutogradOverlap(CustomGraphPass):
 
     With per-block compile, compiled autograd pastes each block's backward as one
     region call (``fsdp_traceable.backward_regions``) between that block's re-gather
-    and its reduce-scatter. Inductor's overlap passes do not move a collective across a
-    region call, so each re-gather would be issued and waited for right before its
-    block's backward: the eager path's backward prefetch, lost. On compiled autograd's
+    and its reduce-scatter. Inductor's overlap passes raise collectives in program
+    order, behind the reduce-scatter of the block before, so each re-gather is issued
+    and waited for right before its block's backward (``compile_tests/test_block_compile.py``
+    pins it without this pass): the eager path's backward prefetch, lost. On compiled autograd's
     graph this pass issues each re-gather before the backward region of the block after
     it (the raise of :func:`overlap_collectives_across_regions`). Reduce-scatter waits
     stay where Inductor puts them: moved past the next region, as the whole step moves

@@ -53,9 +53,9 @@ def inductor_options(
 
         raise_collectives: with ``overlap``, also issue every collective as early as its
             inputs allow (``raise_comms``, ``reorder_compute_for_overlap``), and in
-            compiled autograd's backward of per-block compiled blocks, where each
-            block's backward is one region call that Inductor moves nothing across,
-            issue each re-gather one block ahead
+            compiled autograd's backward of per-block compiled blocks, where
+            Inductor's passes leave each re-gather right before its own block's
+            backward region, issue each re-gather one block ahead
             (:class:`fsdp_traceable.region_schedule.CompiledAutogradOverlap`, set as
             ``post_grad_custom_post_pass``: to add a pass of your own, chain the two);
             ``False``
