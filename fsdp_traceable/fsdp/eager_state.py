@@ -114,7 +114,8 @@ class EagerState:
 
     def holds_forward_unsharded(self, versions: Callable[[], Versions]) -> bool:
         """Whether forward's parameters are held and no parameter changed since
-        (``versions()``: the parameters' versions now, read only if some are held)."""
+        (``versions()``: the parameters' versions now, read only if some are held);
+        drops them if one did, as :meth:`forward_unsharded` does."""
         return self._forward_unsharded is not None and self.forward_unsharded(versions()) is not None
 
     def end_backward(self, reshard_after_backward: bool) -> None:
