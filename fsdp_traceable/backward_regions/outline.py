@@ -14,6 +14,21 @@ inputs and unpack its output into the graph's results. The region holds the rest
 block's backward compute, the unpacking of a collective output it reads, the packing
 of a collective input it produces.
 
+[Note: backward regions need static shapes]
+A block compiled with dynamic shapes is pasted as it is, each block its own copy:
+- AOTAutograd compiles a backward that takes SymInts as soon as it compiles the
+  forward, and saves the graph to its cache then, clearing the ``val`` meta of its
+  nodes (``serialize_graph_module``); a backward loaded from that cache has none
+  either. Compiled autograd reads the graph after that: without ``val`` meta
+  nothing tells which values may cross a region boundary or share storage.
+- Even with the meta derived again, Dynamo (2.13, 2.14) reuses a region's trace
+  only where each SymInt argument is the very object of the first call's, and
+  compiled autograd gives every block's backward its own; reading the sizes from
+  tensor arguments instead fails where a dimension is an expression (``2*s0``),
+  which Dynamo looks up among the enclosing graph's bound symbols.
+``block.compile(dynamic=False)`` keeps the regions: one compile per distinct shape,
+each backward outlined.
+
 Dynamo rejects regions whose inputs or outputs share storage, so the rewrite makes an
 input that is the same view as another an alias inside, copies other inputs that share
 storage (saved tensors can), and copies outputs that share storage.
@@ -216,6 +231,11 @@ def outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
 
 def _outline(bw_module: fx.GraphModule) -> fx.GraphModule | None:
     graph = bw_module.graph
+    if not any("val" in n.meta for n in graph.nodes):
+        # See [Note: backward regions need static shapes].
+        log.debug("backward not outlined: its graph has no val meta (AOTAutograd "
+                  "cleared it when it saved the graph to its cache)")
+        return None
     region, side, after_region = _split(graph)
     if not region:
         log.debug("backward not outlined: no compute outside the collectives")

@@ -189,6 +189,20 @@ def test_graph_without_compute_is_left_alone() -> None:
     assert outline(_graph(build)) is None
 
 
+def test_graph_without_fake_values_is_left_alone(caplog) -> None:
+    # AOTAutograd clears every node's meta when it saves a backward to its cache.
+    def build(graph: fx.Graph):
+        x = _placeholder(graph, "x", torch.empty(4, 4))
+        return (_call(graph, torch.ops.aten.mm.default, x, x),)
+
+    gm = _graph(build)
+    for node in gm.graph.nodes:
+        node.meta = {}
+    with caplog.at_level("DEBUG", logger="fsdp_traceable.backward_regions.outline"):
+        assert outline(gm) is None
+    assert "has no val meta" in caplog.text
+
+
 def test_compute_between_collectives_goes_into_the_region_with_them(fake_world: None) -> None:
     # A collective fed by compute and feeding compute cannot stay outside: one region
     # holds the whole graph.
