@@ -489,7 +489,7 @@ class ParamGroup:
             # Compiled autograd traces the unpack hook of an eager forward's token (see
             # [Note: per-module compile]). One storage per parameter, as eager's: an
             # outlined block backward takes them as inputs, which may not alias.
-            unsharded = self.all_gather(tuple(p._local_tensor for p in self.params.sharded_params))
+            unsharded = self._traced_regather_for_backward()
             self._eager.keep_for_backward([t.clone() for t in unsharded])
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             return
@@ -505,6 +505,18 @@ class ParamGroup:
         # holds one in-flight buffer, not two.
         if self.settings.prefetch_backward is not None:
             self.settings.prefetch_backward()
+
+    def _traced_regather_for_backward(self) -> list[torch.Tensor]:
+        """Traced by compiled autograd after an eager forward: from the piece that
+        forward kept with ``reshard_after_forward=N`` (over the rank's ``N`` ranks, as
+        the eager backward), else over the shard group."""
+        kept, _ = self._eager.take_piece()
+        mesh = self.settings.post_forward_mesh
+        if kept is not None and mesh is not None and kept.hook_inputs is None:
+            return mesh.traced_regathered(kept)
+        # An all-gather extension's post-all-gather hook needs its metadata from a
+        # pre-all-gather call of this trace: gathered again over the shard group.
+        return self.all_gather(tuple(p._local_tensor for p in self.params.sharded_params))
 
     def _end_backward(self) -> None:
         if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+import fsdp_traceable
 from fsdp_traceable import compile_step
 from fsdp_traceable.models.transformer import shard_transformer
 from tests.fsdp import parity_cases
@@ -181,6 +183,36 @@ def reshard_to_subgroups_compiled(rank: int, world_size: int, group_size: int
                                       reshard_after_forward=group_size)
     result["ours"]["graph_breaks"] = graph_breaks()
     return result
+
+
+def reshard_to_subgroups_eager_forward_ca(rank: int, world_size: int, group_size: int
+                                         ) -> dict[str, Any]:
+    """``reshard_after_forward=group_size`` (torchtitan grouping, one block): ours with an
+    eager forward and a compiled-autograd backward (AOT eager), as per-block compile
+    runs, 3 AdamW steps on the data of :func:`reshard_to_subgroups_compiled` (whose
+    FSDP2 run is the reference); also the ranks of every all-gather in the backward."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = parity_cases.titan_shard(uneven_transformer(config=ONE_BLOCK), fsdp_traceable.fully_shard,
+                                     reshard_after_forward=group_size)
+    backward = CompileCounterWithBackend("aot_eager")
+    compiled_autograd = torch.compile(backend=backward, fullgraph=True)
+    optimizer = make_optimizer("adamw", model.parameters())
+    losses, grads = [], None
+    for step in range(3):
+        loss = model.loss(*batch(step, rank, world_size, ONE_BLOCK))
+        with torch._dynamo.compiled_autograd._enable(compiled_autograd):
+            loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = [p.grad.to_local().clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    ours = {"losses": losses, "grads": grads, "params": full_params(model),
+            "graph_breaks": graph_breaks(), "graphs": backward.frame_count,
+            "all_gather_ranks": [gathered_ranks(n) for n in backward.graphs[0].graph.nodes
+                                 if "all_gather_into_tensor" in str(n.target)]}
+    return {"ours": ours}
 
 
 def reshard_to_subgroups_whole_step(rank: int, world_size: int, group_size: int

@@ -17,6 +17,10 @@ position in every group of ``N`` (the mesh's other dimension): a two-step all-ga
 the same bytes as one over the shard group. Gathered so, the ``N`` pieces hold every
 rank's copy-in position-major (rank ``g * N + p`` at ``[p][g]``); one copy puts them in
 rank order for the usual copy-out, which then rebuilds the same bits.
+
+Compiled autograd after an eager forward (per-block compile) traces the backward's
+re-gather from the piece the eager forward kept (:meth:`PostForwardMesh.traced_regathered`),
+over the rank's ``N`` ranks as the eager backward.
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ class PostForwardMesh:
         groups = layout.world_size // self.group_size
         rank_ordered = gathered.view(self.group_size, groups, -1).transpose(0, 1)
         return all_gather_output_copy_out(rank_ordered.reshape(-1), layout)
+
+    def traced_regathered(self, kept: KeptPiece) -> list[torch.Tensor]:
+        """Traced: the unsharded parameters from a piece an eager forward kept (rank
+        order already: no reorder, unlike :meth:`traced_unsharded`)."""
+        gathered = comm.wait(comm.all_gather(kept.piece, self.group))
+        return all_gather_output_copy_out(gathered, kept.layout)
 
     def regather(self, kept: KeptPiece, all_gather_comm: AllGather | None) -> PendingUnshard:
         """Starts the all-gather of the kept pieces that rebuilds the forward's output.

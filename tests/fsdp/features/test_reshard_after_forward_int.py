@@ -1,6 +1,7 @@
 """``reshard_after_forward=N`` against torch's FSDP2 on 4 gloo ranks (groups of 2).
 
-Eager, compiled whole with compiled autograd, and compiled as one whole step
+Eager, eager forward with a compiled-autograd backward, compiled whole with compiled
+autograd, and compiled as one whole step
 (``compile_step``; both AOT eager): bitwise losses, gradients and parameters over 3
 AdamW steps, and the all-gathers: the forward's over the
 4-rank shard group (compiled, in two steps: across the pairs, then within the pair; see
@@ -35,7 +36,8 @@ from tests.whole_step_graphs import kept_for_backward
 @pytest.mark.gloo
 def test_eager_and_compiled_match_fsdp2_bitwise_and_gather_over_groups_of_2() -> None:
     cases = [("subgroups", parity_cases.reshard_to_subgroups, (2,)),
-             ("compiled", compiled_cases.reshard_to_subgroups_compiled, (2,))]
+             ("compiled", compiled_cases.reshard_to_subgroups_compiled, (2,)),
+             ("eager_forward_ca", compiled_cases.reshard_to_subgroups_eager_forward_ca, (2,))]
     if dynamo_traces_backward_into_dtensors():
         cases.append(("whole_step", compiled_cases.reshard_to_subgroups_whole_step, (2,)))
     results: list[dict[str, Any]] = run_on_local_ranks(run_cases, 4, cases, timeout_s=300)
@@ -60,6 +62,17 @@ def test_eager_and_compiled_match_fsdp2_bitwise_and_gather_over_groups_of_2() ->
         assert ours["losses"] == theirs["losses"]
         assert_bitwise(theirs["grads"], ours["grads"], "first-step local gradients (compiled)")
         assert_bitwise(theirs["params"], ours["params"], "full parameters (compiled)")
+        # An eager forward keeps the piece; compiled autograd's backward re-gathers
+        # it within the pair, as the eager backward does (1 block, [norm, output]).
+        result = per_rank["eager_forward_ca"]
+        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
+        ours = result["ours"]  # the same model and data as "compiled"
+        assert ours["graph_breaks"] == {} and ours["graphs"] == 1
+        assert ours["losses"] == theirs["losses"]
+        assert_bitwise(theirs["grads"], ours["grads"], "first-step local gradients (eager + CA)")
+        assert_bitwise(theirs["params"], ours["params"], "full parameters (eager + CA)")
+        pair = [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert ours["all_gather_ranks"] == [pair, pair]
         if "whole_step" not in per_rank:
             continue
         result = per_rank["whole_step"]
