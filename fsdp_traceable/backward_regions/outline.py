@@ -21,11 +21,13 @@ A block compiled with dynamic shapes is pasted as it is, each block its own copy
   nodes (``serialize_graph_module``); a backward loaded from that cache has none
   either. Compiled autograd reads the graph after that: without ``val`` meta
   nothing tells which values may cross a region boundary or share storage.
-- Even with the meta derived again, Dynamo (2.13, 2.14) reuses a region's trace
-  only where each SymInt argument is the very object of the first call's, and
-  compiled autograd gives every block's backward its own; reading the sizes from
-  tensor arguments instead fails where a dimension is an expression (``2*s0``),
-  which Dynamo looks up among the enclosing graph's bound symbols.
+- Even with the meta derived again (from the placeholder values AOTAutograd keeps on
+  its lazy-backward record), Dynamo would not reuse the region's trace: it matches a
+  SymInt argument by object on 2.13 (compiled autograd gives every block's backward
+  SymInts of its own) and by expression on 2.14 (there they carry a symbol per
+  block), so each block traces its own region, used once and then inlined. Reading the sizes
+  from tensor arguments instead fails where a dimension is an expression
+  (``2*s0``), which Dynamo looks up among the enclosing graph's bound symbols.
 ``block.compile(dynamic=False)`` keeps the regions: one compile per distinct shape,
 each backward outlined.
 
