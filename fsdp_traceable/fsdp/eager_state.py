@@ -105,10 +105,7 @@ class EagerState:
     def forward_unsharded(self, versions: Versions) -> list[torch.Tensor] | None:
         """Fresh aliases of forward's held parameters if no parameter changed since
         (``versions``: the parameters' versions now); drops them if one did."""
-        if self._forward_unsharded is None:
-            return None
-        if self._forward_unsharded_versions != versions:
-            self._forward_unsharded = None
+        if not self._forward_unsharded_current(versions):
             return None
         return [t.detach() for t in self._forward_unsharded]
 
@@ -116,7 +113,16 @@ class EagerState:
         """Whether forward's parameters are held and no parameter changed since
         (``versions()``: the parameters' versions now, read only if some are held);
         drops them if one did, as :meth:`forward_unsharded` does."""
-        return self._forward_unsharded is not None and self.forward_unsharded(versions()) is not None
+        return self._forward_unsharded is not None and self._forward_unsharded_current(versions())
+
+    def _forward_unsharded_current(self, versions: Versions) -> bool:
+        """Whether forward's parameters are held at ``versions``; drops them if held at others."""
+        if self._forward_unsharded is None:
+            return False
+        if self._forward_unsharded_versions != versions:
+            self._forward_unsharded = None
+            return False
+        return True
 
     def end_backward(self, reshard_after_backward: bool) -> None:
         """A backward's end: drops its parameters when resharding, otherwise holds
