@@ -196,22 +196,11 @@ def reshard_to_subgroups_eager_forward_ca(rank: int, world_size: int, group_size
     model = parity_cases.titan_shard(uneven_transformer(config=ONE_BLOCK), fsdp_traceable.fully_shard,
                                      reshard_after_forward=group_size)
     backward = CompileCounterWithBackend("aot_eager")
-    compiled_autograd = torch.compile(backend=backward, fullgraph=True)
-    optimizer = make_optimizer("adamw", model.parameters())
-    losses, grads = [], None
-    for step in range(3):
-        loss = model.loss(*batch(step, rank, world_size, ONE_BLOCK))
-        with torch._dynamo.compiled_autograd._enable(compiled_autograd):
-            loss.backward()
-        losses.append(loss.item())
-        if grads is None:
-            grads = [p.grad.to_local().clone() for p in model.parameters()]
-        optimizer.step()
-        optimizer.zero_grad()
-    ours = {"losses": losses, "grads": grads, "params": full_params(model),
-            "graph_breaks": graph_breaks(), "graphs": backward.frame_count,
-            "all_gather_ranks": [gathered_ranks(n) for n in backward.graphs[0].graph.nodes
-                                 if "all_gather_into_tensor" in str(n.target)]}
+    ours = parity_cases.run_steps(model, rank, world_size, "eager-ca-aot-eager", 3, ONE_BLOCK,
+                                  backward_backend=backward)
+    ours.update(graph_breaks=graph_breaks(), graphs=backward.frame_count,
+                all_gather_ranks=[gathered_ranks(n) for n in backward.graphs[0].graph.nodes
+                                  if "all_gather_into_tensor" in str(n.target)])
     return {"ours": ours}
 
 

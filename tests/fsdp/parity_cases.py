@@ -92,10 +92,12 @@ def train_modes(
 
 
 def run_steps(model: nn.Module, rank: int, world_size: int, mode: str, steps: int,
-              config: TransformerConfig = UNEVEN) -> dict[str, Any]:
-    """``steps`` AdamW steps of ``model.loss`` in ``mode``; see :func:`train_modes`."""
+              config: TransformerConfig = UNEVEN, backward_backend=None) -> dict[str, Any]:
+    """``steps`` AdamW steps of ``model.loss`` in ``mode``; see :func:`train_modes`.
+    ``backward_backend``: compiled autograd's backend, for its modes."""
     optimizer = make_optimizer("adamw", model.parameters())
-    compute_loss, backward_ctx = loss_fn(model, mode), backward_context(mode)
+    compute_loss = loss_fn(model, mode)
+    backward_ctx = backward_context(mode, backward_backend)
     losses, grads = [], None
     for step in range(steps):
         loss = compute_loss(*batch(step, rank, world_size, config))

@@ -76,16 +76,18 @@ def compile_backend(mode: str) -> str:
     return "aot_eager" if mode.endswith("-aot-eager") else "inductor"
 
 
-def backward_context(mode: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """Compiled autograd around ``loss.backward()`` for the ``compile-ca`` modes."""
-    if mode.startswith("compile-ca"):
-        compiler = torch.compile(backend=compile_backend(mode), fullgraph=True)
+def backward_context(mode: str, backend=None) -> Callable[[], contextlib.AbstractContextManager]:
+    """Compiled autograd around ``loss.backward()`` for the ``compile-ca`` modes and the
+    ``eager-ca`` ones (an eager forward), compiled with ``backend`` if given (e.g. a
+    ``CompileCounterWithBackend`` that keeps the graphs)."""
+    if mode.startswith(("compile-ca", "eager-ca")):
+        compiler = torch.compile(backend=backend or compile_backend(mode), fullgraph=True)
         return lambda: torch._dynamo.compiled_autograd._enable(compiler)
     return contextlib.nullcontext
 
 
 def loss_fn(model: nn.Module, mode: str):
-    if mode == "eager":
+    if mode == "eager" or mode.startswith("eager-"):
         return model.loss
     return torch.compile(model.loss, backend=compile_backend(mode), fullgraph=True)
 
