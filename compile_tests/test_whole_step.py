@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 import fsdp_traceable
+from compile_tests import whole_step_cases
 from compile_tests.sharded_model import CONFIG, N_GROUPS, data, make_model
 from compile_tests.test_fully_shard_compile import BLOCK_WEIGHT_SHAPES
 from fsdp_traceable.models.transformer import Transformer, shard_transformer
@@ -39,9 +40,6 @@ def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
     # The default (blocks reshard, the root keeps its parameters) and no resharding;
     # True only adds the root to the re-gathered groups (the graph test below).
     settings = (None, False)
-    from compile_tests import whole_step_cases  # (its FSDP2 reference needs torch 2.12+)
-    from compile_tests.whole_step_cases import STEPS
-
     with_llama = importlib.util.find_spec("transformers") is not None
     results = run_on_local_ranks(whole_step_cases.train_each, 2, settings, "aot_eager",
                                  with_llama, timeout_s=300)
@@ -79,7 +77,8 @@ def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
             torch.testing.assert_close(ours["params"][name], param, rtol=0, atol=1e-5)
         assert ours["state"].keys() == theirs["state"].keys(), what
         for name, state in theirs["state"].items():
-            assert ours["state"][name]["step"] == state["step"] == STEPS, f"{what} {name}"
+            steps = whole_step_cases.STEPS
+            assert ours["state"][name]["step"] == state["step"] == steps, f"{what} {name}"
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(ours["state"][name][key], state[key],
                                            rtol=0, atol=1e-5)
@@ -185,9 +184,12 @@ def test_forward_regions_name_the_torch_they_need() -> None:
             step(torch.ones(2))
 
 
-@pytest.mark.skipif(dynamo_traces_backward_into_dtensors(), reason="this torch can")
-def test_compile_step_names_the_torch_it_needs() -> None:
-    with pytest.raises(RuntimeError, match=r"2\.12 or newer"):
+def test_compile_step_names_the_torch_it_needs(monkeypatch) -> None:
+    # (Every supported torch traces backward(); older ones get this error.)
+    from fsdp_traceable import whole_step
+
+    monkeypatch.setattr(whole_step, "dynamo_traces_backward_into_dtensors", lambda: False)
+    with pytest.raises(RuntimeError, match=r"trace_autograd_ops, 2\.11 or newer"):
         fsdp_traceable.compile_step(lambda: None)
 
 

@@ -43,16 +43,13 @@ _R = TypeVar("_R")
 def dynamo_traces_backward_into_dtensors() -> bool:
     """Whether this torch's Dynamo traces ``backward()`` into DTensor parameters.
 
-    Torch 2.11 can trace ``backward()`` (``trace_autograd_ops``) but asserts every
-    tensor it differentiates is a plain fake tensor, so a step over ``fully_shard``'s
-    DTensor parameters fails in Dynamo; torch 2.12 to 2.14 accept tensor subclasses.
+    Torch 2.12 to 2.14 do; torch 2.11 traces ``backward()`` (``trace_autograd_ops``)
+    but asserts every tensor it differentiates is a plain fake tensor, which
+    :func:`compile_step` completes with a torch patch
+    (``_torch_patches.trace_backward_into_subclasses``). Older torch cannot trace
+    ``backward()`` at all.
     """
-    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        return False
-    from torch._dynamo.variables import torch as torch_variables
-
-    collect = getattr(torch_variables, "_collect_tensors_with_sources", None)
-    return collect is not None and "is_traceable_wrapper_subclass" in collect.__code__.co_names
+    return _torch_patches.dynamo_traces_backward()
 
 
 def _cacheable_functions() -> contextlib.AbstractContextManager:
@@ -187,8 +184,8 @@ def compile_step(
             comes with a ``step`` that is not a Python function (a bound method).
         ValueError: if ``optimizer`` has a setting its traced update cannot honour (step
             hooks, ``differentiable``, SGD's ``dampening`` with momentum).
-        RuntimeError: if this torch cannot trace ``backward()`` into DTensor
-            parameters (torch 2.11: use ``torch.compile`` with compiled autograd); at a
+        RuntimeError: if this torch cannot trace ``backward()`` (before 2.11: use
+            ``torch.compile`` with compiled autograd); at a
             call, if ``config.forward_regions`` is ``True`` and this torch cannot key a
             region (before 2.13), or if a forward run as a region returns a view of its
             input.
@@ -197,9 +194,10 @@ def compile_step(
         raise TypeError(f"compile_step(step=...) takes the training step function, got {step!r}")
     if not dynamo_traces_backward_into_dtensors():
         raise RuntimeError(
-            f"compile_step needs a torch whose Dynamo traces backward() into DTensor "
-            f"parameters (2.12 or newer); torch {torch.__version__} cannot. Compile the "
-            "model with compiled autograd instead (see the recipes in the README)"
+            f"compile_step needs a torch whose Dynamo traces backward() "
+            f"(torch._dynamo.config.trace_autograd_ops, 2.11 or newer); torch "
+            f"{torch.__version__} cannot. Compile the model with compiled autograd "
+            "instead (see the recipes in the README)"
         )
     if cache_dir is not None and not precompile_available():
         raise RuntimeError(
@@ -215,6 +213,7 @@ def compile_step(
     traced_optimizer = TracedOptimizer(optimizer) if optimizer is not None else None
     compiled_function = (step if traced_optimizer is None
                          else _followed_by_update(step, traced_optimizer))
+    _torch_patches.trace_backward_into_subclasses()
     _torch_patches.complete_whole_step_recompute()
 
     def compile_with(guard_filter_fn: Callable[..., Any] | None = None) -> Any:

@@ -1,7 +1,8 @@
 """Every change this package makes to torch itself, in one place: this package, one
 module per area of torch (``dtensor``, ``device_mesh``, ``checkpoint_warning``,
 ``compiled_autograd``, ``whole_step_recompute``, ``regions``, ``autograd_function``,
-``cpu_vec_isa``, ``precompiled_header``; ``wrapping``: how a patch replaces a torch function).
+``cpu_vec_isa``, ``precompiled_header``, ``traced_backward``; ``wrapping``: how a patch
+replaces a torch function).
 
 [Note: torch patches]
 Each patch below works around one torch behaviour that has no public switch. Each
@@ -20,7 +21,8 @@ Where they are applied (unchanged from before they moved here):
 * :func:`drop_mesh_hash_from_pickles`: on every ``fully_shard`` call.
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
-* :func:`complete_whole_step_recompute`: by :func:`fsdp_traceable.compile_step`.
+* :func:`trace_backward_into_subclasses`, :func:`complete_whole_step_recompute`: by
+  :func:`fsdp_traceable.compile_step`.
 * :func:`link_stamped_out_regions`, :func:`memoize_region_schemas`: when the forward
   region is made (``fsdp/forward_regions.region_of``).
 * :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved
@@ -45,6 +47,11 @@ from .device_mesh import drop_mesh_hash_from_pickles
 from .dtensor import shard_uneven_new_empty_strided, skip_dtensor_unflatten_frames
 from .precompiled_header import header_precompile_skipped, skip_header_precompile_on_load
 from .regions import link_stamped_out_regions, memoize_region_schemas
+from .traced_backward import (
+    dynamo_traces_backward,
+    trace_backward_into_subclasses,
+    traces_subclasses_natively,
+)
 from .whole_step_recompute import REMAT_PASS_MODULE, complete_whole_step_recompute
 
 __all__ = [
@@ -55,6 +62,7 @@ __all__ = [
     "complete_whole_step_recompute",
     "drop_context_fn_warning",
     "drop_mesh_hash_from_pickles",
+    "dynamo_traces_backward",
     "extract_bw_module_exists",
     "fresh_outputs",
     "header_precompile_skipped",
@@ -65,5 +73,7 @@ __all__ = [
     "shard_uneven_new_empty_strided",
     "skip_header_precompile_on_load",
     "skip_dtensor_unflatten_frames",
+    "trace_backward_into_subclasses",
+    "traces_subclasses_natively",
     "trust_fresh_outputs",
 ]

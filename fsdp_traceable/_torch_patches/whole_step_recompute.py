@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from ..region_schedule import overlap_collectives_across_regions, reroute_region_inputs_to_backward
@@ -15,35 +16,79 @@ REMAT_PASS_MODULE = (
 )
 
 
-def _root_source(node: fx.Node) -> tuple[str, int] | None:
+def _root(node: fx.Node) -> Any | None:
     """The Dynamo graph node ``node`` was traced from: its oldest ``from_node`` entry."""
     sources = node.meta.get("from_node")
     root = None
     while sources:
         root = sources[-1]
         sources = root.from_node
-    return None if root is None else (root.name, root.graph_id)
+    return root
 
 
-def mark_backward_spans(gm: fx.GraphModule) -> int:
+def _traced_by_backward(node: fx.Node, root: Any | None) -> bool:
+    """Whether AOTAutograd traced ``node`` from a backward call: marked so (torch 2.12+),
+    or traced from Dynamo's ``torch.autograd.grad`` node (which ``backward()`` becomes)."""
+    if node.meta.get("autograd_backward"):
+        return True
+    # A node source names its Dynamo node's target by its string (torch 2.11).
+    target = getattr(root, "target", None)
+    return target is torch.autograd.grad or target == repr(torch.autograd.grad)
+
+
+def _pass_reads_annotation(module: Any) -> bool:
+    """Whether torch's pass finds the backward by the ``remat_pass_tag`` annotation
+    (torch 2.11), not by the ``autograd_backward`` mark (2.12+)."""
+    is_backward = getattr(module, "_is_backward_node", None)
+    return is_backward is not None and "remat_pass_tag" in is_backward.__code__.co_consts
+
+
+def mark_backward_spans(gm: fx.GraphModule, *, annotate: bool = False) -> int:
     """Marks every node traced by a backward call as backward; returns how many changed.
 
     AOTAutograd traces each node of Dynamo's graph in one go, so the nodes one
     ``torch.autograd.grad`` (or ``backward()``) node of Dynamo's graph becomes are
     contiguous in the traced graph: every node between the first and the last node
     traced from it is part of that backward.
+
+    Args:
+        gm: the forward-loss-backward graph.
+        annotate: also annotate the backward as torch 2.11's pass looks for it
+            (``fx.traceback.annotate({"remat_pass_tag": "is_backward"})``'s meta).
     """
     nodes = list(gm.graph.nodes)
     spans: dict[tuple[str, int], tuple[int, int]] = {}
     for index, node in enumerate(nodes):
-        if node.meta.get("autograd_backward"):
-            source = _root_source(node)
-            if source is not None:
-                first, _ = spans.get(source, (index, index))
-                spans[source] = (first, index)
+        root = _root(node)
+        if root is not None and _traced_by_backward(node, root):
+            source = (root.name, root.graph_id)
+            first, _ = spans.get(source, (index, index))
+            spans[source] = (first, index)
     marked = 0
     for first, last in spans.values():
         for node in nodes[first : last + 1]:
+            if annotate:
+                node.meta.setdefault("custom", {})["remat_pass_tag"] = "is_backward"
+            if not node.meta.get("autograd_backward"):
+                node.meta["autograd_backward"] = True
+                marked += 1
+    return marked
+
+
+def mark_recomputed_as_backward(gm: fx.GraphModule) -> int:
+    """Marks the nodes torch 2.11's pass re-ran in backward as backward; returns how many.
+
+    That pass copies each recomputed node's meta from its forward original, so the
+    copies, placed right before the backward nodes that read them, carry no
+    ``autograd_backward`` mark (torch 2.12+ marks them). Every node between the first
+    and the last backward node is then marked: the pass keeps the backward one
+    contiguous run.
+    """
+    nodes = list(gm.graph.nodes)
+    backward = [i for i, node in enumerate(nodes) if node.meta.get("autograd_backward")]
+    marked = 0
+    if backward:
+        for node in nodes[backward[0] : backward[-1] + 1]:
             if not node.meta.get("autograd_backward"):
                 node.meta["autograd_backward"] = True
                 marked += 1
@@ -110,12 +155,16 @@ def complete_whole_step_recompute() -> bool:
         module = importlib.import_module(REMAT_PASS_MODULE)
     except ImportError:
         return False
+    annotate = _pass_reads_annotation(module)
+
     def complete(current: Callable[..., Any]) -> Callable[..., Any]:
         def remat_using_tags_for_fwd_loss_bwd_graph(gm: fx.GraphModule) -> fx.GraphModule:
-            mark_backward_spans(gm)
+            mark_backward_spans(gm, annotate=annotate)
             reroute_region_inputs_to_backward(gm)
             recompute_views_of_recomputed(gm)
             gm = current(gm)
+            if annotate:
+                mark_recomputed_as_backward(gm)
             overlap_collectives_across_regions(gm)
             return gm
 

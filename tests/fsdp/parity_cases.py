@@ -21,10 +21,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import (
-    FSDPMeshInfo,
-    ShardPlacementResult,
-)
 from torch.distributed.tensor import Shard
 
 import fsdp_traceable
@@ -175,6 +171,12 @@ def float64_params(rank: int, world_size: int, mode: str,
 def shard_placement_result(rank: int, world_size: int, mode: str) -> dict[str, Any]:
     """``shard_placement_fn`` returning ``ShardPlacementResult`` on fully_shard's mesh:
     ``Shard(1)`` for matrices whose dim 1 divides evenly, the default otherwise."""
+    # (torch 2.12+: imported here, so the other cases run on older torch)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
     mesh = init_device_mesh("cpu", (world_size,))
     mesh_info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
 
