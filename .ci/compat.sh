@@ -19,8 +19,8 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # float8-style weight's all-gather hooks traced by Dynamo, the graph-break tests, the
 # recompile tests of the train loop and dynamic batch size, the compiled
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
-# (hooked into compiled autograd, feature-detected), the whole step as one graph (2.13+;
-# on 2.11 its clear error), the patches of torch (each one applied, and still needed
+# (hooked into compiled autograd, feature-detected), the whole step as one graph (on 2.11
+# through two patches of torch; with reshard_after_forward=N, its graph), the patches of torch (each one applied, and still needed
 # on this torch), and torch's pipeline schedules driving fully_shard stages against
 # FSDP2 (what the schedules call changes between releases). The main job runs the rest
 # on the pinned torch.
@@ -44,6 +44,7 @@ SUBSET=(
   tests/backward_regions/test_outline.py
   compile_tests/test_block_compile.py::test_compiled_autograd_traces_one_block_backward
   compile_tests/test_whole_step.py
+  tests/fsdp/features/test_reshard_after_forward_int.py::test_whole_step_keeps_the_piece_for_backward
   compile_tests/test_step_cache.py
   compile_tests/test_traced_optimizer.py
   tests/fsdp/features/test_pipeline_parallel.py

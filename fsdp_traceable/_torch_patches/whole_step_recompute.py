@@ -137,6 +137,13 @@ def complete_whole_step_recompute() -> bool:
       are recomputed too (:func:`recompute_views_of_recomputed`), as the min-cut
       partitioner of a joint graph recomputes them.
 
+    Torch 2.11's pass finds the backward by an annotation instead
+    (``fx.traceback.annotate({"remat_pass_tag": "is_backward"})``), which nothing sets
+    for a traced ``loss.backward()``: it re-gathered nothing, and every unsharded
+    parameter lived from forward to backward. There the backward is annotated too,
+    and the nodes the pass re-runs, which carry their forward originals' meta, are
+    marked backward after it (:func:`mark_recomputed_as_backward`).
+
     The pass is wrapped so both run first. Where blocks run as forward regions, the
     backward reads their recomputed parameters from the re-gather first, and after
     the pass each collective moves across the region call next to it, for overlap

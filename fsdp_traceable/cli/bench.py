@@ -46,7 +46,8 @@ _OURS = ("eager", "compile", "compile-ca", *WHOLE_STEP_MODES, "compile-blocks", 
 
 
 def default_modes() -> tuple[str, ...]:
-    """Every mode of ``MODES`` this torch runs (the whole-step modes need torch 2.12+)."""
+    """Every mode of ``MODES`` this torch runs (the whole-step modes need a torch whose
+    Dynamo traces ``backward()``: 2.11+)."""
     return tuple(m for m in MODES
                  if m not in WHOLE_STEP_MODES or dynamo_traces_backward_into_dtensors())
 

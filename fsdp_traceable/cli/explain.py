@@ -27,7 +27,7 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
                         "raise_collectives=False)")
     parser.add_argument("--whole-step", action="store_true",
                         help="forward, loss and backward as one graph (fsdp_traceable."
-                        "compile_step, torch 2.12+) instead of compiled autograd")
+                        "compile_step, torch 2.11+) instead of compiled autograd")
     parser.add_argument("--aot-eager", action="store_true",
                         help="stop after AOTAutograd (faster; no generated code)")
 

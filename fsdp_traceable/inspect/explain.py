@@ -199,7 +199,7 @@ def explain(
         inductor_config: Inductor settings for every compile, e.g.
             :func:`fsdp_traceable.inductor_options` (default: Inductor's own).
         whole_step: compile forward, loss and backward as one graph with
-            :func:`fsdp_traceable.compile_step` (torch 2.12+); ``compiled_autograd``
+            :func:`fsdp_traceable.compile_step` (torch 2.11+); ``compiled_autograd``
             must then be ``False``.
 
     Returns:

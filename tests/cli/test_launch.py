@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from fsdp_traceable.cli.bench import MODES
 from fsdp_traceable.cli.launch import resolve_device, run_on_ranks
 from fsdp_traceable.cli.main import main
 
@@ -33,5 +35,8 @@ def test_cuda_without_a_gpu_fails_before_spawning():
         main(["bench", "--device", "cuda", "--world-size", "1"])
 
 
-def test_gpu_check_script_parses():
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+def test_gpu_check_script_parses_and_names_bench_modes_that_exist():
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    modes = re.findall(r"--modes (\S+)", script.read_text())
+    assert modes and all(set(listed.split(",")) <= set(MODES) for listed in modes)

@@ -39,7 +39,8 @@ def test_compiled_autograd_training_reports_graphs() -> None:
     assert "1 forward graph(s), 1 compiled-autograd graph(s), 0 graph break(s)" in format_summary(result)
 
 
-@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(), reason="needs torch 2.12+")
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
+                    reason="this torch's Dynamo cannot trace backward()")
 @pytest.mark.parametrize("mode", ["whole-step", "whole-step-optim"])
 def test_whole_step_training_reports_one_graph(mode: str) -> None:
     result = train(TrainArgs(mode=mode, backend="aot_eager", steps=3, **TINY))

@@ -129,7 +129,8 @@ def test_cli_explain_prints_the_report_and_writes_dumps(tmp_path, capsys) -> Non
     assert (tmp_path / "dynamo_graph_0.py").exists()
 
 
-@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(), reason="needs torch 2.12+")
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
+                    reason="this torch's Dynamo cannot trace backward()")
 def test_cli_explains_the_whole_step_as_one_graph(capsys) -> None:
     assert main(["explain", "--layers", "2", "--dim", "16", "--steps", "2", "--aot-eager",
                  "--whole-step"]) == 0
