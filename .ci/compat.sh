@@ -67,7 +67,9 @@ install() {
   mkdir -p .ci-venvs
   "$PYTHON" -m venv "$venv"
   "$venv/bin/pip" install -q --no-compile "torch==$version"
-  "$venv/bin/pip" install -q --no-compile pytest pytest-xdist expecttest hypothesis numpy
+  # transformers for the whole-step test's Hugging Face Llama case, pinned as the main job's.
+  "$venv/bin/pip" install -q --no-compile pytest pytest-xdist expecttest hypothesis numpy \
+    "$(grep -o 'transformers==[0-9.]*' pyproject.toml)"
   "$venv/bin/pip" install -q --no-compile --no-deps -e .
   # Another package named triton_kernels, installed beside ours (see tests/test_packaging.py).
   "$venv/bin/pip" install -q --no-compile --no-deps triton-kernels==0.1.0
