@@ -76,22 +76,18 @@ def mark_backward_spans(gm: fx.GraphModule, *, annotate: bool = False) -> int:
 
 
 def mark_recomputed_as_backward(gm: fx.GraphModule) -> int:
-    """Marks the nodes torch 2.11's pass re-ran in backward as backward; returns how many.
+    """Marks the nodes torch's pass re-ran in backward as backward; returns how many.
 
-    That pass copies each recomputed node's meta from its forward original, so the
-    copies, placed right before the backward nodes that read them, carry no
-    ``autograd_backward`` mark (torch 2.12+ marks them). Every node between the first
-    and the last backward node is then marked: the pass keeps the backward one
-    contiguous run.
+    Torch 2.11 and 2.12's pass copies each recomputed node, named
+    ``<original>_recomputed``, with its forward original's meta, so the copies (placed
+    right before the backward nodes that read them) carry no ``autograd_backward``
+    mark; torch 2.13 marks them itself.
     """
-    nodes = list(gm.graph.nodes)
-    backward = [i for i, node in enumerate(nodes) if node.meta.get("autograd_backward")]
     marked = 0
-    if backward:
-        for node in nodes[backward[0] : backward[-1] + 1]:
-            if not node.meta.get("autograd_backward"):
-                node.meta["autograd_backward"] = True
-                marked += 1
+    for node in gm.graph.nodes:
+        if node.name.endswith("_recomputed") and not node.meta.get("autograd_backward"):
+            node.meta["autograd_backward"] = True
+            marked += 1
     return marked
 
 
@@ -140,9 +136,9 @@ def complete_whole_step_recompute() -> bool:
     Torch 2.11's pass finds the backward by an annotation instead
     (``fx.traceback.annotate({"remat_pass_tag": "is_backward"})``), which nothing sets
     for a traced ``loss.backward()``: it re-gathered nothing, and every unsharded
-    parameter lived from forward to backward. There the backward is annotated too,
-    and the nodes the pass re-runs, which carry their forward originals' meta, are
-    marked backward after it (:func:`mark_recomputed_as_backward`).
+    parameter lived from forward to backward. There the backward is annotated too.
+    On 2.11 and 2.12 the nodes the pass re-runs carry their forward originals' meta;
+    they are marked backward after it (:func:`mark_recomputed_as_backward`).
 
     The pass is wrapped so both run first. Where blocks run as forward regions, the
     backward reads their recomputed parameters from the re-gather first, and after
@@ -170,8 +166,7 @@ def complete_whole_step_recompute() -> bool:
             reroute_region_inputs_to_backward(gm)
             recompute_views_of_recomputed(gm)
             gm = current(gm)
-            if annotate:
-                mark_recomputed_as_backward(gm)
+            mark_recomputed_as_backward(gm)
             overlap_collectives_across_regions(gm)
             return gm
 
