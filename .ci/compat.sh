@@ -20,8 +20,8 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # recompile tests of the train loop and dynamic batch size, the compiled
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
 # (hooked into compiled autograd, feature-detected), the whole step as one graph (on 2.11
-# through two patches of torch; with reshard_after_forward=N, its graph), the patches of torch (each one applied, and still needed
-# on this torch), and torch's pipeline schedules driving fully_shard stages against
+# through two patches of torch; with reshard_after_forward=N, its graph), the patches of
+# torch (each one applied, and still needed on this torch), and torch's pipeline schedules driving fully_shard stages against
 # FSDP2 (what the schedules call changes between releases). The main job runs the rest
 # on the pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,

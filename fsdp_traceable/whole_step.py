@@ -43,11 +43,10 @@ _R = TypeVar("_R")
 def dynamo_traces_backward_into_dtensors() -> bool:
     """Whether this torch's Dynamo traces ``backward()`` into DTensor parameters.
 
-    Torch 2.12 to 2.14 do; torch 2.11 traces ``backward()`` (``trace_autograd_ops``)
-    but asserts every tensor it differentiates is a plain fake tensor, which
-    :func:`compile_step` completes with a torch patch
-    (``_torch_patches.trace_backward_into_subclasses``). Older torch cannot trace
-    ``backward()`` at all.
+    Every torch whose Dynamo traces ``backward()`` (``trace_autograd_ops``, 2.11+):
+    2.12 on take tensor subclasses; torch 2.11 asserts every tensor it differentiates
+    is a plain fake tensor, which :func:`compile_step` completes with a torch patch
+    (``_torch_patches.trace_backward_into_subclasses``).
     """
     return _torch_patches.dynamo_traces_backward()
 

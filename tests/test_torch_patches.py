@@ -278,7 +278,7 @@ def test_compiled_autograd_keeps_uneven_gradients_sharded(uneven_mesh) -> None:
 # -- Dynamo traces backward() into DTensor parameters (torch 2.11) --------------------
 
 needs_subclass_patch = pytest.mark.skipif(
-    not _torch_patches.dynamo_traces_backward() or _torch_patches.traces_subclasses_natively(),
+    not _torch_patches.subclass_patch_needed(),
     reason="this torch's Dynamo traces backward() into tensor subclasses itself, or not at all")
 
 

@@ -49,8 +49,8 @@ from .precompiled_header import header_precompile_skipped, skip_header_precompil
 from .regions import link_stamped_out_regions, memoize_region_schemas
 from .traced_backward import (
     dynamo_traces_backward,
+    subclass_patch_needed,
     trace_backward_into_subclasses,
-    traces_subclasses_natively,
 )
 from .whole_step_recompute import REMAT_PASS_MODULE, complete_whole_step_recompute
 
@@ -73,7 +73,7 @@ __all__ = [
     "shard_uneven_new_empty_strided",
     "skip_header_precompile_on_load",
     "skip_dtensor_unflatten_frames",
+    "subclass_patch_needed",
     "trace_backward_into_subclasses",
-    "traces_subclasses_natively",
     "trust_fresh_outputs",
 ]

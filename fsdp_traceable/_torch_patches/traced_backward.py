@@ -10,10 +10,15 @@ import torch
 from .wrapping import wrap_once
 
 
+def dynamo_traces_backward() -> bool:
+    """Whether this torch's Dynamo traces ``backward()`` (``trace_autograd_ops``: 2.11+)."""
+    return hasattr(torch._dynamo.config, "trace_autograd_ops")
+
+
 def _collect_module() -> Any | None:
     """Dynamo's module holding ``_collect_tensors_with_sources``, where this torch traces
-    ``backward()`` (``trace_autograd_ops``) with it; else ``None``."""
-    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+    ``backward()`` with it; else ``None``."""
+    if not dynamo_traces_backward():
         return None
     from torch._dynamo.variables import torch as torch_variables
 
@@ -22,20 +27,16 @@ def _collect_module() -> Any | None:
     return torch_variables
 
 
-def dynamo_traces_backward() -> bool:
-    """Whether this torch's Dynamo traces ``backward()`` (``trace_autograd_ops``) through
-    the handler :func:`trace_backward_into_subclasses` completes (2.11 to 2.14)."""
-    return _collect_module() is not None
-
-
-def traces_subclasses_natively() -> bool:
-    """Whether this torch's ``backward()`` handler already takes tensor subclasses (2.12+)."""
+def subclass_patch_needed() -> bool:
+    """Whether this torch's ``backward()`` handler rejects tensor subclasses, as 2.11's
+    ``_collect_tensors_with_sources`` does (judged on torch's own function, so still
+    ``True`` once :func:`trace_backward_into_subclasses` wrapped it)."""
     module = _collect_module()
     if module is None:
         return False
     collect = getattr(module._collect_tensors_with_sources, "__wrapped__",
                       module._collect_tensors_with_sources)
-    return "is_traceable_wrapper_subclass" in collect.__code__.co_names
+    return "is_traceable_wrapper_subclass" not in collect.__code__.co_names
 
 
 def trace_backward_into_subclasses() -> bool:
@@ -56,12 +57,12 @@ def trace_backward_into_subclasses() -> bool:
     support). Torch 2.12 to 2.14 need nothing.
 
     Returns:
-        Whether the wrapper is in place (``False`` where torch takes subclasses itself
-        or does not trace ``backward()``).
+        Whether the wrapper is in place (``False`` where torch has no such function
+        rejecting subclasses).
     """
-    module = _collect_module()
-    if module is None or traces_subclasses_natively():
+    if not subclass_patch_needed():
         return False
+    module = _collect_module()
     from torch._dynamo.variables.tensor import TensorVariable
     from torch._subclasses.fake_tensor import FakeTensor, get_plain_tensors
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass

@@ -43,6 +43,14 @@ def _pass_reads_annotation(module: Any) -> bool:
     return is_backward is not None and "remat_pass_tag" in is_backward.__code__.co_consts
 
 
+def _mark_backward(node: fx.Node) -> bool:
+    """Marks ``node`` backward; returns whether it was not marked already."""
+    if node.meta.get("autograd_backward"):
+        return False
+    node.meta["autograd_backward"] = True
+    return True
+
+
 def mark_backward_spans(gm: fx.GraphModule, *, annotate: bool = False) -> int:
     """Marks every node traced by a backward call as backward; returns how many changed.
 
@@ -69,9 +77,7 @@ def mark_backward_spans(gm: fx.GraphModule, *, annotate: bool = False) -> int:
         for node in nodes[first : last + 1]:
             if annotate:
                 node.meta.setdefault("custom", {})["remat_pass_tag"] = "is_backward"
-            if not node.meta.get("autograd_backward"):
-                node.meta["autograd_backward"] = True
-                marked += 1
+            marked += _mark_backward(node)
     return marked
 
 
@@ -83,12 +89,7 @@ def mark_recomputed_as_backward(gm: fx.GraphModule) -> int:
     right before the backward nodes that read them) carry no ``autograd_backward``
     mark; torch 2.13 marks them itself.
     """
-    marked = 0
-    for node in gm.graph.nodes:
-        if node.name.endswith("_recomputed") and not node.meta.get("autograd_backward"):
-            node.meta["autograd_backward"] = True
-            marked += 1
-    return marked
+    return sum(_mark_backward(node) for node in gm.graph.nodes if node.name.endswith("_recomputed"))
 
 
 def recompute_views_of_recomputed(gm: fx.GraphModule) -> int:
