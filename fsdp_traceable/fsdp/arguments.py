@@ -1,4 +1,10 @@
-"""Checks and normalisation of ``fully_shard``'s arguments, all before any collective."""
+"""Checks and normalisation of ``fully_shard``'s arguments, all before any collective.
+
+Where FSDP2 rejects an input, these raise its exception type (``docs/errors.md`` lists
+both, per case). Where FSDP2 only crashes on it (an ``AttributeError`` reading an
+attribute the argument lacks, an ``IndexError``), the exception is both that type and
+the conventional one, so ``except`` clauses written for either keep working.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,21 @@ try:
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 except ImportError:  # torch 2.11: shard_placement_fn returns Shard(dim) or None only
     ShardPlacementResult = None
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
+
+
+class ArgumentTypeError(TypeError, AttributeError):
+    """An argument of the wrong type. Also an ``AttributeError``: FSDP2 raises one for
+    it, reading an attribute the argument lacks (``mesh.ndim``, ``module.modules``)."""
+
+
+class EmptyModuleListError(ValueError, IndexError):
+    """``fully_shard([])``. Also an ``IndexError``: FSDP2 raises one, indexing the list."""
+
+
+class ShardingOrderError(ValueError, TypeError):
+    """``fully_shard`` on a module whose parameters a parent's call already sharded.
+    Also a ``TypeError``: FSDP2 raises one, finding no state for those parameters."""
 
 
 def module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -26,23 +46,66 @@ def module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
         The modules that share one parameter group.
     """
     if isinstance(module, nn.Module):
+        if (isinstance(module, (nn.ModuleList, nn.ModuleDict))
+                and type(module).forward is nn.Module.forward):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: "
+                f"module is an nn.{type(module).__name__}, which is never called; apply "
+                "fully_shard to each module in it (e.g. each block), or pass them together "
+                "as a list (fully_shard(list(container)))"
+            )
         return [module]
     if isinstance(module, (list, tuple)):
         modules = list(module)
         if not modules:
-            raise ValueError("module is an empty list: pass an nn.Module or a non-empty list of them")
+            raise EmptyModuleListError(
+                "module is an empty list: pass an nn.Module or a non-empty list of them"
+            )
         for i, m in enumerate(modules):
             if not isinstance(m, nn.Module):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"module[{i}] must be an nn.Module, got {type(m).__name__}: pass an "
                     "nn.Module or a list of them"
                 )
         if len({id(m) for m in modules}) != len(modules):
             raise ValueError("module lists one module twice: pass each module once")
         return modules
-    raise TypeError(
+    raise ArgumentTypeError(
         f"module must be an nn.Module or a list of nn.Modules, got {type(module).__name__}"
     )
+
+
+def check_mesh(mesh: object, has_dp_mesh_dims: bool) -> DeviceMesh:
+    """``mesh`` if ``fully_shard`` can shard on it: a 1-D mesh, or a 2-D one with dim
+    names (HSDP: replicate, shard); with ``dp_mesh_dims``, the data-parallel mesh
+    derived from them (named by construction).
+
+    Args:
+        mesh: the ``mesh`` argument (or the default mesh).
+        has_dp_mesh_dims: whether ``dp_mesh_dims`` was given.
+
+    Returns:
+        ``mesh``.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise ArgumentTypeError(
+            f"mesh must be a DeviceMesh, got {type(mesh).__name__}: pass "
+            "init_device_mesh(device_type, (world_size,)), or None for every rank on the "
+            "default device"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim}-D): "
+            "pass a 1-D mesh (FSDP) or a 2-D one with dims (replicate, shard) (HSDP)"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None and not has_dp_mesh_dims:
+        raise AssertionError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified: mesh is 2-D "
+            f"{tuple(mesh.shape)} (HSDP) without dim names; build it with "
+            "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', "
+            "'shard'))"
+        )
+    return mesh
 
 
 def reshard_after_forward_flag(value: object, mesh: DeviceMesh) -> bool | int | None:
@@ -63,7 +126,7 @@ def reshard_after_forward_flag(value: object, mesh: DeviceMesh) -> bool | int | 
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
-        raise TypeError(
+        raise ValueError(  # FSDP2's type
             f"reshard_after_forward must be None, a bool or an int, got "
             f"{type(value).__name__} {value!r}"
         )
@@ -130,7 +193,8 @@ def shard_placement(
     mesh: DeviceMesh,
     shard_placement_fn: Callable[[nn.Parameter], object] | None,
 ) -> int:
-    """The shard dim ``shard_placement_fn`` chooses for ``param`` (0 by default).
+    """The shard dim ``shard_placement_fn`` chooses for ``param`` (0 by default),
+    checked as FSDP2 checks it, in its order and with its exception types.
 
     Args:
         fqn: the parameter's name, for messages.
@@ -142,9 +206,7 @@ def shard_placement(
     Returns:
         The dim, in ``[-param.ndim, param.ndim)``.
     """
-    if shard_placement_fn is None:
-        return 0
-    placement = shard_placement_fn(param)
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if ShardPlacementResult is not None and isinstance(placement, ShardPlacementResult):
         if placement.mesh_info.mesh is not mesh:
             raise NotImplementedError(
@@ -154,16 +216,37 @@ def shard_placement(
                 "to a module holding only those parameters"
             )
         placement = placement.placement
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise TypeError(
-            f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+    if placement is not None and not isinstance(placement, Shard):
+        raise ValueError(
+            f"Invalid shard_placement_fn result: {placement!r} for parameter {fqn!r}; "
             "return a torch.distributed.tensor.Shard(dim) or None (for Shard(0))"
         )
-    if param.ndim and not -param.ndim <= placement.dim < param.ndim:
-        raise ValueError(
-            f"shard_placement_fn returned Shard({placement.dim}) for parameter {fqn!r} of "
-            f"size {tuple(param.shape)}; return Shard(d) with {-param.ndim} <= d < {param.ndim}"
+    if not param.is_contiguous():
+        raise NotImplementedError(
+            f"FSDP does not support non-contiguous parameters: parameter {fqn!r} of size "
+            f"{tuple(param.shape)} has strides {param.stride()}; make it contiguous before "
+            "fully_shard (e.g. param.data = param.data.contiguous(), or no channels_last)"
         )
-    return placement.dim
+    dim = 0 if placement is None else placement.dim
+    if not -param.ndim <= dim < param.ndim:
+        raise AssertionError(  # FSDP2's type
+            f"Shard dim {dim} is invalid for {param.ndim}D tensor: shard_placement_fn returned "
+            f"Shard({dim}) for parameter {fqn!r} of size {tuple(param.shape)}; return "
+            f"Shard(d) with {-param.ndim} <= d < {param.ndim}"
+        )
+    _check_even_shards(fqn, param, mesh, dim % param.ndim)
+    return dim
+
+
+def _check_even_shards(fqn: str, param: nn.Parameter, mesh: DeviceMesh, dim: int) -> None:
+    """Raises FSDP2's ``NotImplementedError`` for a shard dim other than 0 that the
+    shard mesh does not divide (a TP parameter's shards are of its local tensor)."""
+    shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+    world_size = mesh.size(mesh.ndim - 1)
+    if dim > 0 and shape[dim] % world_size != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: parameter {fqn!r}: "
+            f"Shard({dim}) of size {tuple(shape)} needs size({dim})={shape[dim]} divisible "
+            f"by the shard mesh size {world_size}; shard it on dim 0 instead "
+            "(shard_placement_fn returning Shard(0) or None), which may be uneven"
+        )

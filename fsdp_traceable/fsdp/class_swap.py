@@ -27,8 +27,18 @@ def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
     if key not in _fsdp_classes:
         attrs = {name: param_property(name) for name in names}
         attrs["register_parameter"] = register_parameter
+        attrs["__deepcopy__"] = _deepcopy_unsupported
         _fsdp_classes[key] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
     return _fsdp_classes[key]
+
+
+def _deepcopy_unsupported(module: nn.Module, memo: dict) -> None:
+    """``copy.deepcopy`` of a sharded module (or a model holding one) raises, as FSDP2."""
+    raise AssertionError(
+        f"FSDP does not support deepcopy: {type(module).__name__} is sharded by "
+        "fully_shard. Please use state dict for serialization, or deepcopy the model "
+        "before fully_shard and shard the copy"
+    )
 
 
 def swap_class(module: nn.Module, cls: type) -> None:

@@ -90,7 +90,7 @@ def check_input_device(module: nn.Module, device_type: str, args: tuple, kwargs:
         if isinstance(value, torch.Tensor):
             if value.device.type != device_type:
                 where = f"argument {key}" if isinstance(key, int) else f"argument {key!r}"
-                raise ValueError(
+                raise RuntimeError(  # torch's type for a device mismatch, as FSDP2 gets
                     f"{type(module).__name__}.forward got {where} on {value.device.type}, but "
                     f"its parameters are sharded on {device_type}: move the inputs to "
                     f"{device_type} before calling the model"

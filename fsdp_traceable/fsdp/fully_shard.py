@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
@@ -17,7 +18,9 @@ from .. import _torch_patches
 from ..collectives.shard_info import SUPPORTED_DTYPES
 from . import forward_regions
 from .arguments import (
+    ShardingOrderError,
     ShardPlacementResult,
+    check_mesh,
     check_offload_policy,
     ignored_param_ids,
     module_list,
@@ -72,7 +75,7 @@ def fully_shard(
         module: the module to shard, or a list of modules that share one group (its
             all-gather runs before the first of them); each module's class is swapped
             for an ``FSDP<cls>`` subclass.
-        mesh: a 1-D mesh (FSDP) or 2-D mesh with dims (replicate, shard) (HSDP);
+        mesh: a 1-D mesh (FSDP) or 2-D mesh with named dims (replicate, shard) (HSDP);
             default: every rank on the default device.
         reshard_after_forward: free the unsharded parameters after forward and
             all-gather them again in backward. ``None``: ``True`` except for the root
@@ -108,17 +111,15 @@ def fully_shard(
         mesh = data_parallel_mesh(mesh, dp_mesh_dims)
     modules = module_list(module)
     for m in modules:
-        if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once "
-                "per module"
+        if isinstance(m, TorchFSDPModule):  # ours or torch's
+            which = "it" if isinstance(m, FSDPModule) else "torch's fully_shard (FSDP2)"
+            raise AssertionError(  # FSDP2's type
+                f"fully_shard can only be applied to a module once, and this "
+                f"{type(m).__name__} already has {which}: apply one fully_shard "
+                "once per module (modules that share parameters go in one call, "
+                "fully_shard([module_a, module_b]))"
             )
-    mesh = mesh if mesh is not None else _default_mesh()
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"mesh must be a 1-D DeviceMesh (FSDP) or a 2-D one with dims (replicate, shard) "
-            f"(HSDP), got {getattr(mesh, 'ndim', type(mesh).__name__)}-D"
-        )
+    mesh = check_mesh(mesh if mesh is not None else _default_mesh(), spmd is not None)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy")
     _check_mp_dtypes(mp_policy)
@@ -205,16 +206,27 @@ def _managed_params(
                     continue
                 fqn = f"{prefix}{name}"
                 if getattr(param, _SHARDED_MARK, False):
-                    raise ValueError(
+                    raise ShardingOrderError(
                         f"parameter {fqn!r} was already sharded by fully_shard on a parent "
                         "module; apply fully_shard bottom-up: submodules first, then their "
                         "parents, the root last"
                     )
                 if id(param) in sharded_elsewhere or param in _replaced_params:
+                    # FSDP2 accepts the call and raises this ValueError in the first
+                    # forward; a model sharded so can never train, so it fails here,
+                    # before any module is changed.
                     raise ValueError(
-                        f"parameter {fqn!r} is shared with a module that fully_shard already "
-                        "sharded; apply fully_shard to a common ancestor of every module that "
-                        "uses it (shared parameters must be in one group)"
+                        f"parameter {fqn!r} is shared with a parameter already managed by "
+                        "another FSDP group (fully_shard call); shared parameters must be in "
+                        "one group: pass the modules that use it together, "
+                        "fully_shard([module_a, module_b]), or apply fully_shard to a common "
+                        "ancestor of them"
+                    )
+                if param.ndim == 0:
+                    raise ValueError(
+                        f"fully_shard doesn't support scalar parameters: {fqn!r} is 0-dim. "
+                        f"Change {fqn} to a 1D tensor with numel equal to 1 (e.g. "
+                        "nn.Parameter(p.reshape(1))), or leave it out with ignored_params"
                     )
                 if not param.is_floating_point():
                     raise TypeError(

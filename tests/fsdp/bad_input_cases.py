@@ -1,17 +1,22 @@
 """Bad calls to ``fully_shard`` and to a sharded model, and the tables of ``docs/errors.md``.
 
-Each case is ``name -> (exception type, regex the message must match, call(mesh))``,
+Each case is ``name -> (exception type, regex the message must match, call(mesh, shard))``,
 the format of ``BAD_CALLS`` in ``test_fully_shard_features`` (whose cases are reused,
-not repeated, here). ``python -m tests.fsdp.bad_input_cases`` prints the ``docs/errors.md`` tables of
+not repeated, here): ``shard`` is the ``fully_shard`` under test, ours or FSDP2's, so
+each case also runs on FSDP2 and ``docs/errors.md`` shows what FSDP2 raises next to
+ours. ``python -m tests.fsdp.bad_input_cases`` prints the ``docs/errors.md`` tables of
 every case, these and the foreach collectives' cases of ``test_validation``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -28,9 +33,15 @@ from fsdp_traceable import (
     fully_shard,
     make_shard_info,
 )
+from fsdp_traceable.fsdp.arguments import (
+    ArgumentTypeError,
+    EmptyModuleListError,
+    ShardingOrderError,
+)
 from fsdp_traceable.testing.fake_world import fake_process_group
 
-BadCall = tuple[type[Exception], str, Callable[[DeviceMesh], object]]
+FullyShard = Callable[..., Any]  # a fully_shard: ours or FSDP2's
+BadCall = tuple[type[Exception], str, Callable[[DeviceMesh, FullyShard], object]]
 
 
 class _WithParam(nn.Module):
@@ -51,70 +62,126 @@ def _mixed_dtypes() -> nn.Module:
     return module
 
 
-def _root_then_child(mesh: DeviceMesh) -> None:
+def _root_then_child(mesh: DeviceMesh, shard: FullyShard) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    fully_shard(model, mesh=mesh)
-    fully_shard(model[0], mesh=mesh)
+    shard(model, mesh=mesh)
+    shard(model[0], mesh=mesh)
 
 
-def _tied_across_groups(mesh: DeviceMesh) -> None:
+def _tied_across_groups(mesh: DeviceMesh, shard: FullyShard) -> None:
+    """Ours rejects the second call; FSDP2 accepts it and raises in the first forward."""
     model = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4, bias=False))
     model[1].weight = model[0].weight
-    fully_shard(model[1], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model[1], mesh=mesh)
+    shard(model, mesh=mesh)
+    model(torch.arange(2))
 
 
-def _sharded_linear(mesh: DeviceMesh) -> nn.Module:
-    return fully_shard(nn.Linear(4, 4), mesh=mesh)
+def _sharded_linear(mesh: DeviceMesh, shard: FullyShard) -> nn.Module:
+    return shard(nn.Linear(4, 4), mesh=mesh)
 
 
-def _ignore_one_parameter(mesh: DeviceMesh) -> None:
+def _ignore_one_parameter(mesh: DeviceMesh, shard: FullyShard) -> None:
     module = nn.Linear(4, 4)
-    fully_shard(module, mesh=mesh, ignored_params=module.weight)
+    shard(module, mesh=mesh, ignored_params=module.weight)
 
 
 def _meta(*size: int) -> torch.Tensor:
     return torch.zeros(*size, device="meta")
 
 
-def _policy(**kwargs: object) -> Callable[[DeviceMesh], object]:
-    return lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh,
-                                    mp_policy=MixedPrecisionPolicy(**kwargs))
+def _policy(**kwargs: object) -> Callable[[DeviceMesh, FullyShard], object]:
+    return lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh,
+                                     mp_policy=MixedPrecisionPolicy(**kwargs))
 
 
-def _placement(dim: int) -> Callable[[DeviceMesh], object]:
-    return lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh,
-                                    shard_placement_fn=lambda p: Shard(dim))
+def _placement(dim: int) -> Callable[[DeviceMesh, FullyShard], object]:
+    return lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh,
+                                     shard_placement_fn=lambda p: Shard(dim))
 
 
-def _bucket_over_limit(mesh: DeviceMesh) -> None:
+def _bucket_over_limit(mesh: DeviceMesh, shard: FullyShard) -> None:
     with fsdp_traceable.config.patch(max_bucket_bytes=1000):  # Linear(16, 16) is 1088 bytes
-        fully_shard(nn.Linear(16, 16), mesh=mesh)
+        shard(nn.Linear(16, 16), mesh=mesh)
+
+
+def _column_major_weight() -> nn.Module:
+    """A linear layer whose weight is stored transposed: (4, 6) with strides (1, 4)."""
+    module = nn.Linear(6, 4)
+    module.weight = nn.Parameter(torch.randn(6, 4).t())
+    return module
+
+
+def _largest_dim(param: nn.Parameter) -> Shard:
+    """Shards each parameter on its largest dim."""
+    return Shard(max(range(param.ndim), key=param.size))
+
+
+def _left_on_meta(mesh: DeviceMesh, shard: FullyShard) -> None:
+    """Sharded on meta and never materialized (no to_empty / reset_parameters), then run."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    shard(model[0], mesh=mesh)
+    shard(model, mesh=mesh)
+    model(torch.randn(2, 4))
+
+
+def _copy_of_a_block_sharded_model(mesh: DeviceMesh, shard: FullyShard) -> None:
+    """The root is not sharded, one of its blocks is."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    shard(model[0], mesh=mesh)
+    copy.deepcopy(model)
 
 
 NEW_BAD_CALLS: dict[str, BadCall] = {
     "mesh_not_a_device_mesh": (
-        ValueError, "mesh must be a 1-D DeviceMesh",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh="cpu")),
+        ArgumentTypeError, "mesh must be a DeviceMesh, got str",
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh="cpu")),
+    "two_d_mesh_without_dim_names": (
+        AssertionError, r"mesh_dim_names.*2-D \(1, 2\).*mesh_dim_names=\('replicate', 'shard'\)",
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2)))),
+    "module_list_container": (
+        ValueError, "containers that do not implement forward: module is an nn.ModuleList",
+        lambda mesh, shard: shard(nn.ModuleList([nn.Linear(4, 4)]), mesh=mesh)),
+    "module_dict_container": (
+        ValueError, "containers that do not implement forward: module is an nn.ModuleDict",
+        lambda mesh, shard: shard(nn.ModuleDict({"proj": nn.Linear(4, 4)}), mesh=mesh)),
     "mixed_devices_cpu_and_meta": (
         ValueError, r"several device types \('lin.bias' on cpu, 'extra' on meta\)",
-        lambda mesh: fully_shard(_WithParam(_meta(4)), mesh=mesh)),
+        lambda mesh, shard: shard(_WithParam(_meta(4)), mesh=mesh)),
     "zero_dim_parameter": (
-        ValueError, r"parameter 'extra': .*0-dim parameter",
-        lambda mesh: fully_shard(_WithParam(torch.tensor(2.0)), mesh=mesh)),
+        ValueError, r"scalar parameters: 'extra' is 0-dim. Change extra to a 1D tensor",
+        lambda mesh, shard: shard(_WithParam(torch.tensor(2.0)), mesh=mesh)),
+    "non_contiguous_parameter": (
+        NotImplementedError, r"non-contiguous parameters: parameter 'weight' .* \(1, 4\)",
+        lambda mesh, shard: shard(_column_major_weight(), mesh=mesh)),
     "mixed_trainable_dtypes": (
         ValueError, r"'0.bias' is torch.float32, '1.bias' is torch.bfloat16",
-        lambda mesh: fully_shard(_mixed_dtypes(), mesh=mesh)),
-    "shard_dim_out_of_range": (ValueError, r"Shard\(2\) for parameter 'weight'", _placement(2)),
-    "shard_dim_out_of_range_1d": (ValueError, r"Shard\(1\) for parameter 'bias'", _placement(1)),
+        lambda mesh, shard: shard(_mixed_dtypes(), mesh=mesh)),
+    "shard_dim_out_of_range": (AssertionError, r"Shard\(2\) for parameter 'weight'", _placement(2)),
+    "shard_dim_out_of_range_1d": (
+        AssertionError, r"Shard\(1\) for parameter 'bias'", _placement(1)),
     "shard_dim_negative_out_of_range": (
-        ValueError, r"Shard\(-3\) for parameter 'weight'", _placement(-3)),
-    "root_before_child": (ValueError, "'weight' was already sharded.*bottom-up", _root_then_child),
+        AssertionError, r"Shard\(-3\) for parameter 'weight'", _placement(-3)),
+    "uneven_shard_on_largest_dim": (
+        NotImplementedError, r"uneven sharding on dim 1: parameter 'weight'.*size\(1\)=5",
+        lambda mesh, shard: shard(nn.Linear(5, 2), mesh=mesh, shard_placement_fn=_largest_dim)),
+    "root_before_child": (
+        ShardingOrderError, "'weight' was already sharded.*bottom-up", _root_then_child),
     "already_sharded_by_torch_fsdp2": (
-        ValueError, "'weight' is already a DTensor",
-        lambda mesh: fully_shard(fsdp2_fully_shard(nn.Linear(4, 4), mesh=mesh), mesh=mesh)),
+        AssertionError, r"once, and this FSDPLinear already has torch's fully_shard \(FSDP2\)",
+        lambda mesh, shard: shard(fsdp2_fully_shard(nn.Linear(4, 4), mesh=mesh), mesh=mesh)),
     "weight_tied_across_groups": (
-        ValueError, "'0.weight' is shared.*common ancestor", _tied_across_groups),
+        ValueError, r"'0.weight' is shared with a parameter already managed.*fully_shard\(\[",
+        _tied_across_groups),
+    "parameters_left_on_meta": (
+        RuntimeError, r"(?s)materialized from meta device.*\['2.weight', '2.bias'\].*to_empty",
+        _left_on_meta),
+    "deepcopy_of_sharded_model": (
+        AssertionError, "does not support deepcopy: FSDPLinear is sharded",
+        lambda mesh, shard: copy.deepcopy(_sharded_linear(mesh, shard))),
+    "deepcopy_of_model_with_a_sharded_block": (
+        AssertionError, "does not support deepcopy.*state dict", _copy_of_a_block_sharded_model),
     "mp_param_dtype_int8": (
         TypeError, r"mp_policy.param_dtype=torch.int8", _policy(param_dtype=torch.int8)),
     "mp_reduce_dtype_int32": (
@@ -122,39 +189,39 @@ NEW_BAD_CALLS: dict[str, BadCall] = {
     "mp_output_dtype_int64": (
         TypeError, r"mp_policy.output_dtype=torch.int64", _policy(output_dtype=torch.int64)),
     "reshard_after_forward_str": (
-        TypeError, "reshard_after_forward must be None, a bool or an int, got str",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward="yes")),
+        ValueError, "reshard_after_forward must be None, a bool or an int, got str",
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward="yes")),
     "reshard_after_forward_int_not_a_factor": (
         ValueError, "reshard_after_forward=3 must be a factor of the shard mesh size 2",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)),
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)),
     "module_list_empty": (
-        ValueError, "module is an empty list", lambda mesh: fully_shard([], mesh=mesh)),
+        EmptyModuleListError, "module is an empty list", lambda mesh, shard: shard([], mesh=mesh)),
     "module_list_with_a_tensor": (
-        TypeError, r"module\[1\] must be an nn.Module, got Tensor",
-        lambda mesh: fully_shard([nn.Linear(4, 4), torch.ones(4)], mesh=mesh)),
+        ArgumentTypeError, r"module\[1\] must be an nn.Module, got Tensor",
+        lambda mesh, shard: shard([nn.Linear(4, 4), torch.ones(4)], mesh=mesh)),
     "offload_policy_not_a_policy": (
         TypeError, "offload_policy must be a torch.distributed.fsdp.OffloadPolicy",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh, offload_policy="cpu")),
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh, offload_policy="cpu")),
     "ignored_params_single_parameter": (
         TypeError, r"ignored_params must be a set of nn.Parameters, got Parameter",
-        lambda mesh: _ignore_one_parameter(mesh)),
+        _ignore_one_parameter),
     "unshard_async_op_not_bool": (
         TypeError, "async_op must be a bool, got str",
-        lambda mesh: _sharded_linear(mesh).unshard("yes")),
+        lambda mesh, shard: _sharded_linear(mesh, shard).unshard("yes")),
     "bucket_over_max_bucket_bytes": (
         ValueError, r"'weight' \(16, 16\).*1088 bytes.*split the module", _bucket_over_limit),
     "forward_input_on_meta": (
-        ValueError, "FSDPLinear.forward got argument 0 on meta.*sharded on cpu",
-        lambda mesh: _sharded_linear(mesh)(_meta(2, 4))),
+        RuntimeError, "FSDPLinear.forward got argument 0 on meta.*sharded on cpu",
+        lambda mesh, shard: _sharded_linear(mesh, shard)(_meta(2, 4))),
     "forward_keyword_input_on_meta": (
-        ValueError, "got argument 'input' on meta",
-        lambda mesh: _sharded_linear(mesh)(input=_meta(2, 4))),
+        RuntimeError, "got argument 'input' on meta",
+        lambda mesh, shard: _sharded_linear(mesh, shard)(input=_meta(2, 4))),
     "set_requires_gradient_sync_not_bool": (
         TypeError, "requires_gradient_sync must be a bool, got str",
-        lambda mesh: _sharded_linear(mesh).set_requires_gradient_sync("no")),
+        lambda mesh, shard: _sharded_linear(mesh, shard).set_requires_gradient_sync("no")),
     "set_reshard_after_backward_not_bool": (
         TypeError, "reshard_after_backward must be a bool, got NoneType",
-        lambda mesh: _sharded_linear(mesh).set_reshard_after_backward(None)),
+        lambda mesh, shard: _sharded_linear(mesh, shard).set_reshard_after_backward(None)),
 }
 
 
@@ -170,7 +237,7 @@ def fully_shard_bad_calls() -> dict[str, BadCall]:
 # The module-level default-mesh case cannot run inside an initialized world.
 NO_PROCESS_GROUP: BadCall = (
     ValueError, "needs an initialized process group when mesh is None",
-    lambda mesh: fully_shard(nn.Linear(4, 4)))
+    lambda mesh, shard: shard(nn.Linear(4, 4)))
 
 
 def collective_bad_calls(group: dist.ProcessGroup, rank: int) -> dict[str, tuple]:
@@ -233,7 +300,7 @@ def every_bad_call(mesh: DeviceMesh, rank: int) -> dict[str, tuple[type[Exceptio
     from tests.collectives import test_validation
 
     group = mesh.get_group()
-    cases = {name: (error, match, lambda call=call: call(mesh))
+    cases = {name: (error, match, lambda call=call: call(mesh, fully_shard))
              for name, (error, match, call) in fully_shard_bad_calls().items()}
     for source in (test_validation.bad_calls(group, rank), collective_bad_calls(group, rank)):
         cases.update({name: (error, match, call) for name, (call, error, match) in source.items()})
@@ -279,45 +346,93 @@ def both_ranks_make_bad_calls(rank: int, world_size: int) -> dict[str, Any]:
 # -- the docs/errors.md tables ----------------------------------------------------
 
 
-def raised(call: Callable[[], object]) -> tuple[str, str]:
-    """``(exception type name, message)`` of ``call()``, which must raise."""
+def raised(call: Callable[[], object]) -> tuple[type[Exception], str]:
+    """``(exception type, message)`` of ``call()``, which must raise."""
     try:
         call()
     except Exception as exc:  # noqa: BLE001  (every case raises by construction)
-        return type(exc).__name__, str(exc)
+        return type(exc), str(exc)
     raise AssertionError("the call did not raise")
+
+
+def fsdp2_raises(name: str, mesh: DeviceMesh | None) -> type[Exception] | None:
+    """What FSDP2 (torch's ``fully_shard``) raises for the ``fully_shard``-level case
+    ``name`` (``None``: it accepts the call), on a fake world's ``mesh`` (``None``: the
+    default-mesh case, run outside any world and without torchrun's variables, from
+    which FSDP2 would initialize a process group itself)."""
+    if mesh is None:
+        call = NO_PROCESS_GROUP[2]
+        rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+        context: contextlib.AbstractContextManager = mock.patch.dict(os.environ, env, clear=True)
+    else:
+        call = fully_shard_bad_calls()[name][2]
+        context = contextlib.nullcontext()
+    with context:
+        try:
+            call(mesh, fsdp2_fully_shard)
+        except Exception as exc:  # noqa: BLE001  (any exception is FSDP2's answer)
+            return type(exc)
+        finally:
+            if mesh is None and dist.is_initialized():  # never expected: no rendezvous
+                dist.destroy_process_group()
+    return None
+
+
+def type_cell(kind: type[Exception] | None) -> str:
+    """A markdown cell naming ``kind``, with its built-in bases for our own types."""
+    if kind is None:
+        return "accepts"
+    if kind.__module__ == "builtins":
+        return f"`{kind.__name__}`"
+    bases = ", ".join(f"`{base.__name__}`" for base in kind.__bases__)
+    return f"`{kind.__name__}` ({bases})"
 
 
 def message_start(message: str, length: int = 120) -> str:
     """The first ``length`` characters of ``message``, for a markdown table cell."""
     message = re.sub(r"0x[0-9a-f]+", "0x...", message)
     cut = message if len(message) <= length else message[:length].rstrip() + " ..."
-    return cut.replace("|", "\\|")
+    return cut.replace("|", "\\|").replace("\n", " ")
+
+
+def fsdp2_and_ours() -> list[tuple[str, type[Exception] | None, type[Exception], str]]:
+    """Every ``fully_shard``-level case (the default-mesh one first) on a fake two-rank
+    world: ``(name, FSDP2's exception or None, ours, our message)``."""
+    assert not dist.is_initialized(), "fsdp2_and_ours() sets up its own fake world"
+    rows = [("no_process_group", fsdp2_raises("no_process_group", None),
+             *raised(lambda: NO_PROCESS_GROUP[2](None, fully_shard)))]
+    with fake_process_group(2, reset_dynamo=False):
+        mesh = init_device_mesh("cpu", (2,))
+        for name, (_, _, call) in fully_shard_bad_calls().items():
+            rows.append((name, fsdp2_raises(name, mesh),
+                         *raised(lambda call=call: call(mesh, fully_shard))))
+    return rows
 
 
 def errors_table() -> str:
-    """The ``docs/errors.md`` tables, from running every case on a fake two-rank world."""
+    """The ``docs/errors.md`` tables, from running every case on a fake two-rank world,
+    the ``fully_shard``-level ones on FSDP2 too."""
     from tests.collectives import test_validation
 
-    assert not dist.is_initialized(), "errors_table() sets up its own fake world"
-    rows = [("no_process_group", *raised(lambda: NO_PROCESS_GROUP[2](None)))]
-    with fake_process_group(2, reset_dynamo=False):
-        mesh = init_device_mesh("cpu", (2,))
-        rows += [(name, *raised(lambda: call(mesh)))
-                 for name, (_, _, call) in fully_shard_bad_calls().items()]
     fake_group = test_validation.FAKE_GROUP
     collective_cases = {**test_validation.CASES, **collective_bad_calls(fake_group, 0)}
     collective_rows = [(name, *raised(call)) for name, (call, _, _) in collective_cases.items()]
-    header = "| case | exception | message starts |\n|---|---|---|\n"
-
-    def table(entries: list[tuple[str, str, str]]) -> str:
-        return header + "".join(f"| `{name}` | `{kind}` | {message_start(text)} |\n"
-                                for name, kind, text in entries)
-
+    fully_shard_table = (
+        "| case | FSDP2 raises | ours raises | our message starts |\n|---|---|---|---|\n"
+        + "".join(f"| `{name}` | {type_cell(theirs)} | {type_cell(ours)} | "
+                  f"{message_start(text)} |\n" for name, theirs, ours, text in fsdp2_and_ours())
+    )
+    collective_table = (
+        "| case | exception | message starts |\n|---|---|---|\n"
+        + "".join(f"| `{name}` | {type_cell(kind)} | {message_start(text)} |\n"
+                  for name, kind, text in collective_rows)
+    )
     return (
-        "`fully_shard` and a sharded model:\n\n" + table(rows)
-        + "\nThe foreach collectives (`foreach_all_gather`, `foreach_reduce`):\n\n"
-        + table(collective_rows)
+        "`fully_shard` and a sharded model (FSDP2: torch's `fully_shard` given the same "
+        "call):\n\n" + fully_shard_table
+        + "\nThe foreach collectives (`foreach_all_gather`, `foreach_reduce`; FSDP2 has no "
+        "counterpart):\n\n" + collective_table
     )
 
 

@@ -1,8 +1,10 @@
 """Bad input to ``fully_shard`` and to a sharded model fails loudly, early and everywhere.
 
 Every case (here, in ``test_fully_shard_features.BAD_CALLS`` and in
-``test_validation``) must raise a ``TypeError``/``ValueError`` that names the culprit,
-before any collective starts. Single process: the new cases run on a fake two-rank
+``test_validation``) must raise an exception that names the culprit, before any
+collective starts; where torch's FSDP2 raises for the same ``fully_shard``-level call,
+ours is an instance of FSDP2's exception type (FSDP2 is called here, so this cannot
+drift). Single process: the new cases run on a fake two-rank
 world with the library's communication functions replaced by ones that fail the test.
 On two real gloo ranks: both ranks make every bad call with every c10d collective
 counted, both raise the same error, and an all-reduce right after each call (and a
@@ -34,7 +36,9 @@ from tests.fsdp.bad_input_cases import (
     collective_bad_calls,
     errors_table,
     every_bad_call,
+    fsdp2_and_ours,
 )
+from tests.fsdp.test_fully_shard_features import BAD_CALLS
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 ERRORS_DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
@@ -46,7 +50,7 @@ def test_bad_fully_shard_call_raises_before_any_collective(
 ):
     error, match, call = NEW_BAD_CALLS[name]
     with pytest.raises(error, match=match):
-        call(fake_mesh)
+        call(fake_mesh, fsdp_traceable.fully_shard)
 
 
 @pytest.mark.parametrize("name", list(collective_bad_calls(FAKE_GROUP, 0)))
@@ -62,7 +66,25 @@ def test_default_mesh_without_process_group_raises() -> None:
     assert not dist.is_initialized()
     error, match, call = NO_PROCESS_GROUP
     with pytest.raises(error, match=match):
-        call(None)
+        call(None, fsdp_traceable.fully_shard)
+
+
+def test_ours_raises_wherever_fsdp2_raises_and_an_exception_of_its_type() -> None:
+    """Every ``fully_shard``-level case, run on torch's ``fully_shard`` and on ours: where
+    FSDP2 raises, ours raises an instance of FSDP2's exception type (ours may be a
+    subclass that is also the conventional type; see ``fsdp.arguments``)."""
+    rows = fsdp2_and_ours()
+    assert len(rows) == len(NEW_BAD_CALLS) + len(BAD_CALLS) + 1
+    mismatched = {name: (theirs.__name__, ours.__name__) for name, theirs, ours, _ in rows
+                  if theirs is not None and not issubclass(ours, theirs)}
+    assert not mismatched, f"(FSDP2's type, ours) differ: {mismatched}"
+    # The cases the suite is about: FSDP2 rejects each of them.
+    rejected_by_fsdp2 = {name for name, theirs, _, _ in rows if theirs is not None}
+    assert {"applied_twice", "three_d_mesh", "two_d_mesh_without_dim_names",
+            "module_list_container", "module_dict_container", "zero_dim_parameter",
+            "non_contiguous_parameter", "shard_dim_out_of_range", "uneven_shard_1",
+            "uneven_shard_on_largest_dim", "weight_tied_across_groups",
+            "parameters_left_on_meta", "deepcopy_of_sharded_model"} <= rejected_by_fsdp2
 
 
 def test_valid_forward_reaches_the_collective(no_collectives, fake_mesh):

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_traceable import FSDPModule, fully_shard
+from fsdp_traceable.fsdp.arguments import ArgumentTypeError
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import checkpoint_cases, feature_cases
 from tests.fsdp.feature_cases import (
@@ -218,29 +219,31 @@ class _IntParam(nn.Module):
         self.index = nn.Parameter(torch.arange(4), requires_grad=False)
 
 
+# name -> (exception, regex, call(mesh, shard)); shard is the fully_shard under test
+# (bad_input_cases runs each call on FSDP2's too, for docs/errors.md).
 BAD_CALLS = {
     "applied_twice": (
-        ValueError, "already",
-        lambda mesh: fully_shard(fully_shard(nn.Linear(4, 4), mesh=mesh), mesh=mesh)),
+        AssertionError, "only be applied to a module once.*already has it",
+        lambda mesh, shard: shard(shard(nn.Linear(4, 4), mesh=mesh), mesh=mesh)),
     "three_d_mesh": (
-        ValueError, "1-D DeviceMesh",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, 1, 1)))),
+        ValueError, "expects a 1D or 2D DeviceMesh.*3-D",
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, 1, 1)))),
     "not_a_module": (
-        TypeError, "nn.Module", lambda mesh: fully_shard(torch.ones(4), mesh=mesh)),
+        ArgumentTypeError, "nn.Module", lambda mesh, shard: shard(torch.ones(4), mesh=mesh)),
     "integer_parameter": (
-        TypeError, "'index'", lambda mesh: fully_shard(_IntParam(), mesh=mesh)),
+        TypeError, "'index'", lambda mesh, shard: shard(_IntParam(), mesh=mesh)),
     "placement_not_shard": (
-        TypeError, "shard_placement_fn",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh,
-                                 shard_placement_fn=lambda p: Replicate())),
+        ValueError, "Invalid shard_placement_fn result: Replicate",
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh,
+                                  shard_placement_fn=lambda p: Replicate())),
     "uneven_shard_1": (
-        ValueError, "'weight'",
-        lambda mesh: fully_shard(nn.Linear(3, 4), mesh=mesh,
-                                 shard_placement_fn=lambda p: Shard(1))),
+        NotImplementedError, "uneven sharding on dim 1: parameter 'weight'",
+        lambda mesh, shard: shard(nn.Linear(3, 4), mesh=mesh,
+                                  shard_placement_fn=lambda p: Shard(1))),
     "mp_policy_type": (
         TypeError, "mp_policy",
-        lambda mesh: fully_shard(nn.Linear(4, 4), mesh=mesh,
-                                 mp_policy={"param_dtype": torch.bfloat16})),
+        lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh,
+                                  mp_policy={"param_dtype": torch.bfloat16})),
 }
 
 
@@ -248,12 +251,12 @@ BAD_CALLS = {
 def test_bad_input_to_fully_shard_raises(fake_mesh: DeviceMesh, name: str):
     error, message, call = BAD_CALLS[name]
     with pytest.raises(error, match=message):
-        call(fake_mesh)
+        call(fake_mesh, fully_shard)
 
 
 def test_rejected_module_is_left_unsharded(fake_mesh: DeviceMesh):
     module = nn.Linear(3, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(NotImplementedError):
         fully_shard(module, mesh=fake_mesh, shard_placement_fn=lambda p: Shard(1))
     assert type(module) is nn.Linear and not isinstance(module, FSDPModule)
     assert all(type(p) is nn.Parameter and not hasattr(p, "placements")
