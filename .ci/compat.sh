@@ -5,14 +5,14 @@
 # are CUDA builds of about 3.5 GB; nothing is cached outside the clone), removed after.
 # The next version's venv is built while the current one's subset runs.
 #
-#   bash .ci/compat.sh              # 2.11.0 and 2.14.1
+#   bash .ci/compat.sh              # 2.11.0 and 2.15.0
 #   bash .ci/compat.sh 2.12.0       # any list of versions
 #   bash .ci/compat.sh --prepare    # only build the first default version's venv
 #                                   # (.ci/run starts this before the main job)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-DEFAULT_VERSIONS=(2.11.0 2.14.1)
+DEFAULT_VERSIONS=(2.11.0 2.15.0)
 
 # Ops and their fake impls, fully_shard eager and compile + compiled autograd against
 # FSDP2 on a small model (2 gloo ranks: the collectives' eager and traced paths), a
@@ -21,8 +21,11 @@ DEFAULT_VERSIONS=(2.11.0 2.14.1)
 # structure of reshard-after-forward and compiled inference, the backward-region rewrite
 # (hooked into compiled autograd, feature-detected), the whole step as one graph (on 2.11
 # through two patches of torch; with reshard_after_forward=N, its graph), the patches of
-# torch (each one applied, and still needed on this torch), and torch's pipeline schedules driving fully_shard stages against
-# FSDP2 (what the schedules call changes between releases). The main job runs the rest
+# torch (each one applied, and still needed on this torch), torch's pipeline schedules driving fully_shard stages against
+# FSDP2 (what the schedules call changes between releases: 2.15's finalize backward
+# through manual backward finalization), and that finalization, the reset after a
+# failed backward and kept unsharded storage against FSDP2 (skipped before 2.15,
+# whose FSDP2 lacks them). The main job runs the rest
 # on the pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
 # sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
@@ -48,6 +51,7 @@ SUBSET=(
   compile_tests/test_step_cache.py
   compile_tests/test_traced_optimizer.py
   tests/fsdp/features/test_pipeline_parallel.py
+  tests/fsdp/test_backward_finalization.py
 )
 
 # The registry's triton-kernels and ours, imported side by side from outside the clone.
@@ -66,13 +70,16 @@ install() {
   rm -rf "$venv"
   mkdir -p .ci-venvs
   "$PYTHON" -m venv "$venv"
-  "$venv/bin/pip" install -q --no-compile "torch==$version"
+  # pip's configuration files may cap torch (a machine-wide constraints file pinning
+  # the main job's release); this venv asks for another release, so they are not read.
+  local pip=(env PIP_CONFIG_FILE=/dev/null "$venv/bin/pip")
+  "${pip[@]}" install -q --no-compile "torch==$version"
   # transformers for the whole-step test's Hugging Face Llama case, pinned as the main job's.
-  "$venv/bin/pip" install -q --no-compile pytest pytest-xdist expecttest hypothesis numpy \
+  "${pip[@]}" install -q --no-compile pytest pytest-xdist expecttest hypothesis numpy \
     "$(grep -o 'transformers==[0-9.]*' pyproject.toml)"
-  "$venv/bin/pip" install -q --no-compile --no-deps -e .
+  "${pip[@]}" install -q --no-compile --no-deps -e .
   # Another package named triton_kernels, installed beside ours (see tests/test_packaging.py).
-  "$venv/bin/pip" install -q --no-compile --no-deps triton-kernels==0.1.0
+  "${pip[@]}" install -q --no-compile --no-deps triton-kernels==0.1.0
   touch "$venv/.installed"
   echo "torch $version: installed in $((SECONDS - start)) s"
 }

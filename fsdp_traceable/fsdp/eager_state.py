@@ -12,6 +12,7 @@ import torch
 
 from .features.all_gather_extensions import PendingUnshard
 from .features.post_forward_mesh import KeptPiece
+from .kept_storage import KeptStorage
 
 Versions = list[tuple[int, int]]
 
@@ -36,6 +37,8 @@ class EagerState:
     ``kept_piece``: with ``reshard_after_forward=N``, this rank's piece of the last
     forward all-gather's output and the parameters' versions then (the next
     all-gather re-gathers from it unless a parameter changed since).
+    ``kept_storage``: with ``set_keep_unsharded_storage(True)``, the unsharded storage
+    all-gathers refill (:mod:`.kept_storage`).
     """
 
     def __init__(self) -> None:
@@ -53,6 +56,7 @@ class EagerState:
         self._partial_reduce_output: torch.Tensor | None = None
         self._kept_piece: KeptPiece | None = None
         self._kept_piece_versions: Versions = []
+        self.kept_storage = KeptStorage()
 
     # -- prefetch ---------------------------------------------------------------------
 
@@ -145,6 +149,11 @@ class EagerState:
 
     def keep_partial_reduce_output(self, partial: torch.Tensor | None) -> None:
         self._partial_reduce_output = partial
+
+    @property
+    def has_partial_reduce_output(self) -> bool:
+        """Whether HSDP backwards without the all-reduce left reduce-scatter output."""
+        return self._partial_reduce_output is not None
 
     def take_partial_reduce_output(self) -> torch.Tensor | None:
         """The HSDP reduce-scatter outputs accumulated so far; clears them."""

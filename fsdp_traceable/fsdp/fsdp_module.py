@@ -20,7 +20,8 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
 from ..collectives import comm
-from . import forward_regions
+from . import backward_finalization, forward_regions
+from .backward_finalization import GradientReductionHandle
 from .features import block_backward, module_compile
 from .features.module_compile import COMPILED_COMPUTE
 from .forward_hooks import ForwardHooks
@@ -83,12 +84,77 @@ class FSDPModule(TorchFSDPModule):
         """Frees the unsharded parameters of this module's group (not recursive)."""
         self._fsdp_group.reshard()
 
+    # -- iteration state and backward finalization (see [Note: backward finalization]) ----
+
     def reset_iter_state(self) -> None:
-        """Reshards every group under this module and forgets partial forward/no-sync state."""
-        for module in self.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-                module._fsdp_group.reset_iter_state()
+        """After an exception aborted a forward or backward, on the root: reshards every
+        group, waits for the gradient reductions in flight and drops them, and forgets
+        the iteration (no-sync and HSDP partial gradients, an open ``fully_shard([a,
+        b])`` pass, the finalization mode; an outstanding ``finalize_backward`` handle's
+        ``wait()`` then raises). Where torch's FSDP2 has manual backward finalization
+        (2.15 on) it also clears the sharded gradients, as FSDP2's does there.
+
+        Raises:
+            RuntimeError: not the root module.
+        """
+        backward_finalization.reset(self._fsdp_group, self._distinct_groups())
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root: whether the caller ends each backward iteration with
+        :meth:`finalize_backward` (reductions stay in flight until then), instead of
+        each backward pass ending itself. FSDP2's meaning (torch 2.15).
+
+        Args:
+            enabled: ``True`` before forward, for the iterations the caller finalizes.
+
+        Raises:
+            RuntimeError: not the root module, or a change of mode during backward or
+                after a backward started and before its finalization.
+        """
+        if not self._fsdp_group.settings.is_root:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
+        self._fsdp_group.root_state.finalization.set_manual(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """On the root, in manual backward finalization, after the iteration's backward
+        passes: reduces the no-sync gradients of groups whose gradient sync is on now,
+        frees parameters kept for backward where ``reshard_after_backward`` is on, and
+        finishes every gradient reduction (writing ``.grad``). A no-op before the first
+        forward. FSDP2's meaning (torch 2.15); eager only.
+
+        Args:
+            async_op: start the reductions and return a handle whose ``wait()`` finishes
+                them; a forward or another finalization before it raises.
+
+        Returns:
+            A ``GradientReductionHandle`` (torch's class where it has one) if
+            ``async_op``, else ``None``.
+
+        Raises:
+            RuntimeError: FSDP2's misuse errors (not the root, manual mode off, during
+                backward, a previous handle not waited for, HSDP partial reductions).
+            NotImplementedError: called inside a compiled function.
+        """
+        return backward_finalization.finalize(self._fsdp_group, self._distinct_groups(), async_op)
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Eager, as FSDP2: whether each parameter's unsharded storage outlives reshard,
+        so its data pointer stays the same across reshard and unshard (CUDA graph
+        capture), at the cost of holding it (and one copy per all-gather into it). The
+        numbers do not change. A compiled graph allocates its own: it raises while on.
+
+        Args:
+            keep: whether to keep the unsharded storage.
+            recurse: apply to every ``fully_shard``-ed submodule too.
+        """
+        self._set_group_flag("keep_unsharded_storage", keep, recurse)
+        if not keep:
+            for group in self._groups(recurse):
+                group.drop_kept_storage()
+
+    def _distinct_groups(self) -> list[ParamGroup]:
+        """Every group under this module once, in module pre-order."""
+        return list({id(g): g for g in self._groups(recurse=True)}.values())
 
     # -- per-group flags ----------------------------------------------------------------
 

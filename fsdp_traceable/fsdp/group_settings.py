@@ -29,7 +29,7 @@ SETTINGS = frozenset({
     "reduce_scatter_unused_params", "all_reduce_hook", "all_reduce_hook_stream",
     "unshard_in_backward", "all_gather_comm", "reduce_scatter_comm",
     "explicit_forward_prefetch", "explicit_backward_prefetch", "prefetch_backward",
-    "streams", "is_root",
+    "streams", "is_root", "keep_unsharded_storage",
 })
 
 
@@ -55,6 +55,8 @@ class GroupSettings:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.unshard_in_backward = True
+        # Eager: all-gathers refill one storage per parameter that outlives reshard.
+        self.keep_unsharded_storage = False
         # Gradient reduction.
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None

@@ -196,6 +196,7 @@ class ParamGroup:
         if self._state is GroupState.LIST_FORWARD:
             self._release_shared()
         self._eager.keep_accumulated_grads(None)
+        self._eager.keep_partial_reduce_output(None)
 
     # -- gathering ----------------------------------------------------------------------
 
@@ -308,8 +309,12 @@ class ParamGroup:
 
     @labelled("all_gather_copy_out")
     def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
-        """Waits for the all-gather and returns the unsharded parameters (post hooks run)."""
-        return group_all_gather.finish_all_gather(pending)
+        """Waits for the all-gather and returns the unsharded parameters (post hooks run),
+        in the kept storage with ``set_keep_unsharded_storage(True)``."""
+        unsharded = group_all_gather.finish_all_gather(pending)
+        if self.settings.keep_unsharded_storage:
+            return self._eager.kept_storage.refill(unsharded)
+        return unsharded
 
     def _take_prefetched(self, versions: list[tuple[int, int]]) -> PendingUnshard | None:
         """The prefetched all-gather, unless a parameter changed since it was issued
@@ -343,6 +348,8 @@ class ParamGroup:
             The (cast) arguments and what :meth:`post_forward` releases.
         """
         traced = comm.use_traced_path()
+        if not traced:  # see [Note: backward finalization]
+            self._root_state.finalization.before_forward()
         if self._hooks_hidden and not traced:  # only an eager backward hides them
             self.restore_post_accumulate_hooks()
         self.params.check_materialized()
@@ -553,6 +560,8 @@ class ParamGroup:
         # take_partial_reduce_output change nothing), and the settings that keep
         # gradients across backward calls (no gradient sync, HSDP without its
         # all-reduce) raise under a traced backward (gradient_reduction).
+        if not comm.use_traced_path():  # see [Note: backward finalization]
+            self._root_state.finalization.note_backward()
         self._eager.end_backward(self.settings.reshard_after_backward)
         if not accumulated:
             accumulated = self._eager.take_accumulated_grads()
@@ -578,6 +587,27 @@ class ParamGroup:
         for i, grad in zip(indices, result.sharded_grads):
             sharded_grads[i] = grad
         return sharded_grads
+
+    # -- backward finalization (see [Note: backward finalization]) ------------------------
+
+    @property
+    def root_state(self) -> RootState:
+        """What the model shares between its groups (see [Note: per-model state])."""
+        return self._root_state
+
+    @property
+    def has_accumulated_grads(self) -> bool:
+        """Whether eager no-sync backwards left unsharded gradients to reduce."""
+        return self._eager.has_accumulated_grads
+
+    @property
+    def has_partial_reduce_output(self) -> bool:
+        """HSDP: whether backwards without the all-reduce left reduce-scatter output."""
+        return self._eager.has_partial_reduce_output
+
+    def drop_kept_storage(self) -> None:
+        """Frees the storage ``set_keep_unsharded_storage(True)`` kept."""
+        self._eager.kept_storage.drop()
 
     def post_backward_outside_backward(self) -> None:
         """Eager, outside a backward pass: FSDP2's ``FSDPParamGroup.post_backward()``, which

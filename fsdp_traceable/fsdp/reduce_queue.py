@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..collectives import accumulate_sharded_grad
+from ..collectives import accumulate_sharded_grad, comm
 from ..collectives.reduce import PendingReduce, finish_foreach_reduce
 from ..profiler_labels import phase
 from . import post_accumulate_hooks
@@ -42,6 +42,9 @@ class ReduceQueue:
         self._in_flight: list[tuple[PendingReduce, GradientTarget]] = []
         # The backward pass whose end finishes _in_flight (autograd's graph task id).
         self._flushing_task = -1
+        # False in manual backward finalization: finalize_backward finishes them (see
+        # [Note: backward finalization]).
+        self.finish_at_backward_end = True
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -62,8 +65,9 @@ class ReduceQueue:
         elif task != self._flushing_task:
             # A new backward pass. Reductions left by one of this model's that raised
             # before its end are finished first: every rank started them.
-            self.finish_all()
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_all)
+            if self.finish_at_backward_end:
+                self.finish_all()
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish_all)
             self._flushing_task = task
         self._in_flight.append((pending, target))
         while len(self._in_flight) > 1:
@@ -74,6 +78,14 @@ class ReduceQueue:
         with phase("root_post_backward"):
             while self._in_flight:
                 self._finish_oldest()
+
+    def discard_all(self) -> None:
+        """Waits for every reduction in flight and drops it, writing no ``.grad``
+        (``reset_iter_state``: the failed iteration's gradients are lost, as FSDP2's)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for pending, _ in in_flight:
+            comm.wait(pending.reduce_output)
+        self._flushing_task = -1
 
     def _finish_oldest(self) -> None:
         """Finishes the oldest reduction and writes its gradients into ``.grad``."""

@@ -18,14 +18,17 @@ weakly), and the parameters ``fully_shard`` replaced (``fully_shard``, weakly).
 
 from __future__ import annotations
 
+from .backward_finalization import BackwardFinalization
 from .reduce_queue import ReduceQueue
 from .saved_unsharded import SavedUnsharded
 
 
 class RootState:
-    """One model's eager state shared by its groups: the gradient reductions in flight
-    and the unsharded parameters its forward saves as tokens."""
+    """One model's eager state shared by its groups: the gradient reductions in flight,
+    the unsharded parameters its forward saves as tokens, and who finalizes its backward
+    (see [Note: backward finalization])."""
 
     def __init__(self) -> None:
         self.reduce_queue = ReduceQueue()
         self.saved_unsharded = SavedUnsharded()
+        self.finalization = BackwardFinalization(self.reduce_queue)
