@@ -13,6 +13,7 @@ maximum is the step time perfect overlap would reach.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -32,15 +33,13 @@ from ..fsdp import FSDPModule
 from ..fsdp import fully_shard as ours_fully_shard
 from ..models.transformer import Transformer, shard_transformer
 from ..whole_step import dynamo_traces_backward_into_dtensors
-from .launch import resolve_device, run_on_ranks
+from .arguments import BENCH_MODES, WHOLE_STEP_MODES
+from .launch import launched_by_torchrun, resolve_device, run_on_ranks
 from .memory import peak_allocated_bytes
-from .train import WHOLE_STEP_MODES, TrainArgs, batch_for, forward_backward_of, make_optimizer, mp_policy_for
+from .progress import say, still_running
+from .train import TrainArgs, batch_for, forward_backward_of, make_optimizer, mp_policy_for
 
-MODES = (
-    "fsdp2-eager", "fsdp2-compile-blocks", "eager", "compile", "compile-ca", "whole-step",
-    "whole-step-optim", "compile-blocks", "compile-blocks-ca", "compute-only",
-    "compute-only-compiled", "comm-only",
-)
+MODES = BENCH_MODES
 _OURS = ("eager", "compile", "compile-ca", *WHOLE_STEP_MODES, "compile-blocks", "compile-blocks-ca",
          "comm-only")
 
@@ -125,7 +124,7 @@ def _synchronize(device: str) -> None:
 
 
 def _bench_rank(args: TrainArgs, modes: tuple[str, ...], steps: int, result_path: str,
-                with_inductor_options: bool) -> None:
+                with_inductor_options: bool, started: float) -> None:
     """Builds and warms every mode, then times them interleaved: step ``k`` of every
     mode before step ``k + 1`` of any, so slow phases of a shared machine hit all
     modes alike and the ratios hold."""
@@ -136,11 +135,21 @@ def _bench_rank(args: TrainArgs, modes: tuple[str, ...], steps: int, result_path
         base = Transformer(args.config)
     torch._dynamo.reset()
     step_fns, first_steps = {}, {}
-    for mode in modes:
-        step_fn, _ = _make_step(mode, base, args, mesh, with_inductor_options)
-        first_steps[mode] = _timed(step_fn, 0, device)
-        step_fn(1)  # second warm-up: lazy state, allocator, caches
+    rank_0 = dist.get_rank() == 0
+    for i, mode in enumerate(modes):
+        compiled = "compile" in mode or mode in WHOLE_STEP_MODES
+        if rank_0:
+            say(f"mode {i + 1}/{len(modes)} {mode}: two warm-up steps"
+                f"{' (the first compiles)' if compiled else ''}", started)
+        with (still_running(f"warming up {mode}", started) if rank_0
+              else contextlib.nullcontext()):
+            step_fn, _ = _make_step(mode, base, args, mesh, with_inductor_options)
+            first_steps[mode] = _timed(step_fn, 0, device)
+            step_fn(1)  # second warm-up: lazy state, allocator, caches
         step_fns[mode] = step_fn
+    if rank_0:
+        say(f"timing {steps} steps of each mode, interleaved, then each mode's peak memory",
+            started)
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for step in range(2, 2 + steps):
         for mode in modes:
@@ -179,7 +188,7 @@ def _timed(step_fn: Callable[[int], None], step: int, device: str) -> float:
 
 
 def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None = None,
-              with_inductor_options: bool = False) -> dict:
+              with_inductor_options: bool = False, started: float | None = None) -> dict:
     """Runs every mode on the same ranks and returns rank 0's figures.
 
     Args:
@@ -188,6 +197,8 @@ def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None
         modes: the modes to run; :func:`default_modes` if ``None``.
         with_inductor_options: compile our modes with
             :func:`~fsdp_traceable.inductor_options` (see :func:`compiled_options`).
+        started: when the command started (``time.time()``), the zero of the progress
+            lines on standard error; ``None``: now.
 
     Returns:
         ``{"args": ..., "inductor_options": ..., "modes": {mode: {median_step_ms,
@@ -197,13 +208,17 @@ def run_bench(args: TrainArgs, *, steps: int = 10, modes: tuple[str, ...] | None
     unknown = set(modes) - set(MODES)
     if unknown:
         raise ValueError(f"unknown bench modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    started = time.time() if started is None else started
+    if not launched_by_torchrun():
+        say(f"starting {args.world_size} local ranks; each imports torch before it says "
+            "more", started)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         # An empty Inductor cache, so first-step times include the whole compile.
         previous_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")
         try:
-            run_on_ranks(_bench_rank, args, modes, steps, path, with_inductor_options,
+            run_on_ranks(_bench_rank, args, modes, steps, path, with_inductor_options, started,
                          world_size=args.world_size, device=args.device)
         finally:
             if previous_cache is None:

@@ -12,6 +12,41 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from .arguments import (
+    HelpFormatter,
+    add_bench_arguments,
+    add_explain_arguments,
+    add_train_arguments,
+)
+from .bench_output import add_output_arguments
+from .progress import process_start_time, say
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The commands' parser; builds without importing torch or a command's module, so
+    ``--help`` answers at once."""
+    parser = argparse.ArgumentParser(
+        prog="fsdp-traceable", description="FSDP2's collectives as traceable ops",
+        formatter_class=HelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="all-gather and reduce a bucket on local gloo ranks",
+                               formatter_class=HelpFormatter)
+    demo.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
+    train = commands.add_parser("train", help="train the built-in transformer with fully_shard",
+                                formatter_class=HelpFormatter)
+    add_train_arguments(train)
+    bench = commands.add_parser("bench", help="step time vs torch FSDP2 on one workload",
+                                formatter_class=HelpFormatter)
+    add_bench_arguments(bench)
+    add_output_arguments(bench, "")
+    explain = commands.add_parser(
+        "explain", help="compile a train step on a fake process group and report its graphs",
+        formatter_class=HelpFormatter,
+    )
+    add_explain_arguments(explain)
+    return parser
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``argv`` and runs the chosen subcommand.
@@ -22,59 +57,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The process exit code.
     """
-    parser = argparse.ArgumentParser(
-        prog="fsdp-traceable", description="FSDP2's collectives as traceable ops"
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="all-gather and reduce a bucket on local gloo ranks")
-    demo.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
-    train = commands.add_parser("train", help="train the built-in transformer with fully_shard")
-    from .train import add_train_arguments
-
-    add_train_arguments(train)
-    bench = commands.add_parser("bench", help="step time vs torch FSDP2 on one workload")
-    add_train_arguments(bench)
-    bench.add_argument("--bench-steps", type=int, default=10, help="timed steps per mode")
-    bench.add_argument("--modes", default=None, help="comma-separated subset of the modes")
-    bench.add_argument("--inductor-options", action="store_true",
-                       help="compile our modes with fsdp_traceable.inductor_options() (the "
-                            "whole step with raise_collectives=False), the README's recipe; "
-                            "without it, Inductor's defaults")
-    from .bench_output import add_output_arguments
-
-    add_output_arguments(bench, "")
-    explain = commands.add_parser(
-        "explain", help="compile a train step on a fake process group and report its graphs"
-    )
-    from .explain import add_explain_arguments, run_explain_command
-
-    add_explain_arguments(explain)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    started = process_start_time()
     if args.command == "explain":
-        return run_explain_command(args)
+        say("explain: loading the compiler", started)
+        from .explain import run_explain_command
+
+        return run_explain_command(args, started)
     if args.command == "bench":
-        from .bench import default_modes, format_table, run_bench, write_outputs
+        say("bench: loading torch FSDP2 and the compiler", started)
+        from . import bench
         from .bench_output import output_path, provenance
         from .train import train_args_from
 
-        modes = tuple(args.modes.split(",")) if args.modes else default_modes()
-        report = run_bench(train_args_from(args), steps=args.bench_steps, modes=modes,
-                           with_inductor_options=args.inductor_options)
+        modes = tuple(args.modes.split(",")) if args.modes else bench.default_modes()
+        report = bench.run_bench(train_args_from(args), steps=args.bench_steps, modes=modes,
+                                 with_inductor_options=args.inductor_options, started=started)
         if report:
             report["provenance"] = provenance()
-            print(format_table(report))
+            print(bench.format_table(report))
             out = output_path(args.out, args.publish, "")
-            print("wrote", ", ".join(write_outputs(report, str(out))))
+            print("wrote", ", ".join(bench.write_outputs(report, str(out))))
         return 0
     if args.command == "train":
+        say(f"train: {args.mode} on {args.world_size} ranks; loading the training code",
+            started)
         from .train import format_summary, train_args_from
         from .train import train as run_train
 
-        result = run_train(train_args_from(args))
+        result = run_train(train_args_from(args), started)
         if result:
             print(format_summary(result))
         return 0
     if args.command == "demo":
+        say(f"demo: starting {args.world_size} local gloo ranks", started)
         from .demo import run_demo
 
         run_demo(args.world_size)

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -25,78 +25,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..fsdp import fully_shard
 from ..models.transformer import (
     Transformer,
-    TransformerConfig,
     check_tensor_parallel,
     parallelize_transformer,
     shard_transformer,
 )
 from ..whole_step import compile_step
+from .arguments import WHOLE_STEP_MODES, TrainArgs
 from .data import synthetic_batch
-from .launch import resolve_device, run_on_ranks
+from .launch import launched_by_torchrun, resolve_device, run_on_ranks
 from .pipeline import build_pipeline
-
-MODES = ("eager", "compile", "compile-ca", "whole-step", "whole-step-optim")
-# The modes compiled as one whole step (:func:`compile_step`); "-optim": with the
-# optimizer's update in the graph.
-WHOLE_STEP_MODES = ("whole-step", "whole-step-optim")
-BACKENDS = ("inductor", "aot_eager", "eager")
-
-
-@dataclass(frozen=True)
-class TrainArgs:
-    mode: str = "eager"
-    backend: str = "inductor"
-    steps: int = 20
-    mp: str | None = None
-    hsdp: bool = False
-    tp: int = 1
-    pp: int = 1
-    world_size: int = 2
-    dim: int = 128
-    layers: int = 4
-    heads: int = 4
-    vocab_size: int = 256
-    seq_len: int = 64
-    batch_size: int = 8
-    lr: float = 3e-3
-    seed: int = 0
-    device: str = "auto"
-    optimizer: str = "adamw"
-
-    @property
-    def config(self) -> TransformerConfig:
-        return TransformerConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=self.layers,
-                                 n_heads=self.heads, max_seq_len=self.seq_len)
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainArgs()
-    parser.add_argument("--mode", choices=MODES, default=defaults.mode,
-                        help="eager (c10d), compile (whole-model torch.compile), compile-ca "
-                             "(+ compiled autograd), whole-step (forward, loss and backward "
-                             "as one graph: fsdp_traceable.compile_step), whole-step-optim "
-                             "(and the optimizer's step in it)")
-    parser.add_argument("--backend", choices=BACKENDS, default=defaults.backend,
-                        help="torch.compile backend of the compiled modes: inductor, or "
-                             "aot_eager / eager to debug the traced graphs without codegen")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--mp", choices=["bf16"], default=None, help="bf16 mixed precision")
-    parser.add_argument("--hsdp", action="store_true", help="2-D mesh (replicate, shard)")
-    parser.add_argument("--tp", type=int, default=defaults.tp,
-                        help="tensor-parallel degree: a (dp, tp) mesh, each block's attention "
-                             "and feed-forward split over tp ranks, fully_shard on dp")
-    parser.add_argument("--pp", type=int, default=defaults.pp,
-                        help="pipeline-parallel degree: a (pp, dp) mesh, the blocks cut into "
-                             "pp stages (GPipe, pp microbatches), each fully_shard-ed on dp")
-    parser.add_argument("--world-size", type=int, default=defaults.world_size,
-                        help="local gloo ranks to spawn when not under torchrun")
-    for name in ("dim", "layers", "heads", "vocab_size", "seq_len", "batch_size", "seed"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
-                        help="auto: cuda under torchrun on a GPU machine, else cpu; cuda "
-                             "without torchrun spawns one NCCL rank per GPU")
+from .progress import say, still_running
 
 
 def make_optimizer(args: TrainArgs, params) -> torch.optim.Optimizer:
@@ -228,9 +166,28 @@ def forward_backward_of(model: nn.Module, *, compiled_forward: bool = False,
                         options=options)
 
 
-def _train_rank(args: TrainArgs, result_path: str) -> None:
+def first_step_description(args: TrainArgs) -> str:
+    """What the first step of ``args.mode`` does beyond a training step: what it compiles."""
+    if args.mode == "eager":
+        return "step 1 runs eagerly: nothing to compile"
+    compiled = {
+        "compile": "the forward and loss (torch.compile)",
+        "compile-ca": "the forward and loss (torch.compile), then the backward "
+                      "(compiled autograd)",
+        "whole-step": "forward, loss and backward as one graph (compile_step)",
+        "whole-step-optim": "forward, loss, backward and the optimizer step as one graph "
+                            "(compile_step)",
+    }[args.mode]
+    return (f"step 1 compiles {compiled} with backend {args.backend}: on CPU a first "
+            "compile takes a minute or more")
+
+
+def _train_rank(args: TrainArgs, result_path: str, started: float) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = resolve_device(args.device)
+    if rank == 0:
+        say(f"{world_size} ranks up ({device}); building the model ({args.layers} blocks, "
+            f"dim {args.dim}) and sharding it", started)
     forward_counter = CompileCounterWithBackend(args.backend)
     backward_counter = CompileCounterWithBackend(args.backend)
     if args.pp > 1:
@@ -252,18 +209,27 @@ def _train_rank(args: TrainArgs, result_path: str) -> None:
         loss_holders = world_size
     optimizer_in_step = args.mode == "whole-step-optim"
     losses, step_times = [], []
+    if rank == 0:
+        say(first_step_description(args), started)
     for step in range(args.steps):
         start = time.perf_counter()
-        loss = forward_backward(*batch_for(args, step, dp_rank, dp_size, device))
-        if not optimizer_in_step:
-            optimizer.step()
-            optimizer.zero_grad()
-        mean_loss = (torch.zeros((), device=device) if loss is None
-                     else loss.detach().float().clone())
-        dist.all_reduce(mean_loss)
+        watch = (still_running("compiling step 1" if args.mode != "eager" else "in step 1",
+                               started)
+                 if rank == 0 and step == 0 else contextlib.nullcontext())
+        with watch:
+            loss = forward_backward(*batch_for(args, step, dp_rank, dp_size, device))
+            if not optimizer_in_step:
+                optimizer.step()
+                optimizer.zero_grad()
+            mean_loss = (torch.zeros((), device=device) if loss is None
+                         else loss.detach().float().clone())
+            dist.all_reduce(mean_loss)
         step_times.append(time.perf_counter() - start)
         losses.append(mean_loss.item() / loss_holders)
         if rank == 0:
+            if step == 0:
+                say(f"step 1 done in {step_times[0]:.1f} s; training {args.steps} steps",
+                    started)
             _progress(step + 1, args.steps, losses[-1], step_times[-1])
     if rank == 0:
         print(file=sys.stderr)
@@ -289,25 +255,32 @@ def _progress(step: int, steps: int, loss: float, step_time: float) -> None:
           end="", file=sys.stderr, flush=True)
 
 
-def train(args: TrainArgs) -> dict:
+def train(args: TrainArgs, started: float | None = None) -> dict:
     """Trains on every rank and returns rank 0's summary (with the unsharded reference).
 
     Args:
         args: the run's settings.
+        started: when the command started (``time.time()``), the zero of the progress
+            lines on standard error; ``None``: now.
 
     Returns:
         A dict with per-step losses and times, the reference losses, the final loss
         difference, and for compiled modes the graph, graph-break and recompile counts.
     """
+    started = time.time() if started is None else started
+    if not launched_by_torchrun():
+        say(f"starting {args.world_size} local ranks; each imports torch before it "
+            "says more", started)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        run_on_ranks(_train_rank, args, result_path, world_size=args.world_size,
+        run_on_ranks(_train_rank, args, result_path, started, world_size=args.world_size,
                      device=args.device)
         if not os.path.exists(result_path):  # another rank of a torchrun job
             return {}
         with open(result_path) as f:
             result = json.load(f)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+    say(f"ranks done; the unsharded reference: {args.steps} steps in this process", started)
     reference = reference_losses(args, world_size // (args.tp * args.pp))
     result["reference_losses"] = reference
     result["final_loss_difference"] = result["losses"][-1] - reference[-1]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._functorch import config as functorch_config
 
 from ..fsdp import FSDPModule, fully_shard
 from ..models.transformer import Transformer, TransformerConfig, shard_transformer
@@ -280,7 +281,14 @@ def _run(model, inputs, loss_fn, *, steps, compiled_autograd, inductor, out_dir,
         compiled = torch.compile(forward_loss, backend=capture.backend)
     backward_compiler = torch.compile(backend=capture.backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with (torch._inductor.config.patch(force_disable_caches=True, **inductor_config),
+    # Every graph compiled, none loaded from a cache (a cached graph has no graph or code
+    # to keep): the FX graph and AOTAutograd caches off for this call, not
+    # force_disable_caches, which makes Dynamo warn that it turned its profile-guided
+    # dynamic shapes off too.
+    with (torch._inductor.config.patch(**{"fx_graph_cache": False,
+                                          "fx_graph_remote_cache": False, **inductor_config}),
+          functorch_config.patch(enable_autograd_cache=False,
+                                 enable_remote_autograd_cache=False),
           track_compiles() as record):
         for _ in range(steps):
             loss = compiled(*inputs)

@@ -4,6 +4,7 @@ or pipeline parallelism; tiny model)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -56,8 +57,14 @@ def test_two_way_model_parallel_on_four_ranks_matches_unsharded_reference(
         capsys, flag: str, described: str) -> None:
     main(["train", flag, "2", "--world-size", "4", "--steps", "3", "--device", "cpu",
           *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert f"world size 4, {described}" in out
+    # What the command says while it works (the ranks' own lines, the compile and first
+    # step, go to the file descriptor and are not captured here).
+    said = re.findall(r"^\[ *\d+\.\d s\] (.*)$", err, re.MULTILINE)
+    assert said == ["train: eager on 4 ranks; loading the training code",
+                    "starting 4 local ranks; each imports torch before it says more",
+                    "ranks done; the unsharded reference: 3 steps in this process"]
     difference = float(out.split("(difference ")[1].split(")")[0])
     assert abs(difference) < 1e-5
 
