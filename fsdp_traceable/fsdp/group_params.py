@@ -155,9 +155,18 @@ class GroupParams:
         """Makes the modules read ``unsharded`` (by parameter index) for their parameters:
         TP parameters as DTensors on their TP mesh (see [Note: TP parameters])."""
         if self.has_tp_params:
-            unsharded = [t if layout is None else layout.unsharded(t)
-                         for t, layout in zip(unsharded, self.tp_layouts)]
+            unsharded = [self.bound_value(i, t) for i, t in enumerate(unsharded)]
         bind_unsharded(self.bindings, unsharded)
+
+    def binding_index(self, owner: nn.Module, name: str) -> int:
+        """The index of the parameter ``owner.<name>``."""
+        return next(i for o, n, i in self.bindings if o is owner and n == name)
+
+    def bound_value(self, index: int, unsharded: torch.Tensor) -> torch.Tensor:
+        """What a module reads for parameter ``index`` bound to ``unsharded``: a TP
+        parameter as a DTensor on its TP mesh (see [Note: TP parameters])."""
+        layout = self.tp_layouts[index] if self.has_tp_params else None
+        return unsharded if layout is None else layout.unsharded(unsharded)
 
     def unbind(self) -> None:
         """Makes the modules read their sharded parameters again."""
@@ -177,7 +186,7 @@ class GroupParams:
     def check_replacement(self, owner: nn.Module, name: str, param: nn.Parameter | None) -> int:
         """The index of the parameter ``owner.<name>``, if ``param`` can replace it
         (see [Note: replaced parameters]); raises ``TypeError``/``ValueError`` if not."""
-        index = next(i for o, n, i in self.bindings if o is owner and n == name)
+        index = self.binding_index(owner, name)
         check_replacement(self.fqns[index], self.sharded_params[index], param)
         return index
 

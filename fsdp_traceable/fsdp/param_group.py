@@ -23,7 +23,7 @@ import torch.nn as nn
 from ..collectives import comm
 from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import labelled, phase
-from . import group_all_gather, post_accumulate_hooks
+from . import activation_checkpointing, group_all_gather, post_accumulate_hooks
 from .autograd_bridge import unshard_params
 from .eager_state import EagerState
 from .features import block_backward
@@ -374,7 +374,11 @@ class ParamGroup:
             return args, kwargs, ForwardScope(None, None)
         else:
             reshard = self.settings.reshard_after_forward and torch.is_grad_enabled()
-            unsharded = unshard_params(self, recompute_in_backward=reshard and traced)
+            if traced:
+                unsharded = unshard_params(self, recompute_in_backward=reshard)
+            else:
+                with activation_checkpointing.outside_selective_checkpoint():
+                    unsharded = unshard_params(self, recompute_in_backward=False)
             if bind:
                 self.params.bind(unsharded)
             else:
@@ -383,9 +387,10 @@ class ParamGroup:
             self._set_state(GroupState.LIST_FORWARD, unsharded)
             self._modules_to_run = {id(m) for m in self.modules}
         if not traced:
-            for child in module._fsdp_next_groups:
-                if child._state is not GroupState.UNSHARDED:  # else unshard() gathered it
-                    child.prefetch()
+            if not activation_checkpointing.in_backward():  # see [Note: activation checkpointing]
+                for child in module._fsdp_next_groups:
+                    if child._state is not GroupState.UNSHARDED:  # else unshard() gathered it
+                        child.prefetch()
             if self.settings.reshard_after_forward:
                 self._root_state.saved_unsharded.register(self, list(unsharded))
             elif self.params.has_trainable:
@@ -466,6 +471,8 @@ class ParamGroup:
         """Eager reshard-after-forward: autograd saves tokens for the unsharded parameters."""
         if traced or not self.settings.reshard_after_forward:
             return None
+        if activation_checkpointing.in_checkpointed_region():
+            return None  # see [Note: activation checkpointing]
         hooks = self._root_state.saved_unsharded.hooks()
         hooks.__enter__()
         return hooks
@@ -484,6 +491,19 @@ class ParamGroup:
             self._unshard_for_backward()
         return self._eager.unsharded_for_backward
 
+    def param_in_backward(self, owner: nn.Module, name: str) -> torch.Tensor:
+        """What ``owner.<name>`` reads while a backward runs and the group's parameters
+        are not bound: its unsharded parameter, gathered once for the group's backward
+        (see [Note: activation checkpointing])."""
+        index = self.params.binding_index(owner, name)
+        with activation_checkpointing.outside_selective_checkpoint():
+            with torch.no_grad():
+                unsharded = self.pre_backward()[index]
+            # Requiring grad as forward's did, so the recompute saves what forward saved.
+            if self.params.sharded_params[index].requires_grad:
+                unsharded = unsharded.detach().requires_grad_()
+            return self.params.bound_value(index, unsharded)
+
     @labelled("pre_backward")
     def _unshard_for_backward(self) -> None:
         if not self.settings.unshard_in_backward:
@@ -500,10 +520,15 @@ class ParamGroup:
             self._eager.keep_for_backward([t.clone() for t in unsharded])
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             return
-        pending = self._take_prefetched(self.params.local_versions())
-        if pending is None:
-            pending = self.start_all_gather()
-        self._eager.keep_for_backward(self.finish_all_gather(pending))
+        versions = self.params.local_versions()
+        kept = self._eager.forward_unsharded(versions)
+        if kept is not None:  # a group that keeps its forward parameters for backward
+            self._eager.keep_for_backward(kept)
+        else:
+            pending = self._take_prefetched(versions)
+            if pending is None:
+                pending = self.start_all_gather()
+            self._eager.keep_for_backward(self.finish_all_gather(pending))
         if torch._C._current_graph_task_id() != -1:
             # Also frees them for a group without trainable parameters, whose
             # backward never reaches post_backward.

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .activation_checkpointing import in_backward
+
 # (module, attribute name, parameter index): one module attribute holding a parameter.
 Binding = tuple[nn.Module, str, int]
 
@@ -48,7 +50,12 @@ def param_property(name: str) -> property:
     """The attribute ``name``: its bound unsharded parameter, else the sharded one."""
     def get(self: nn.Module) -> torch.Tensor:
         unsharded = self.__dict__["_fsdp_unsharded"].get(name)
-        return unsharded if unsharded is not None else self._parameters[name]
+        if unsharded is not None:
+            return unsharded
+        if not torch.compiler.is_compiling() and in_backward():
+            # A recompute of activation checkpointing: see [Note: activation checkpointing].
+            return self.__dict__["_fsdp_holders"][name].param_in_backward(self, name)
+        return self._parameters[name]
 
     return property(get)
 

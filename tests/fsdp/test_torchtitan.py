@@ -1,7 +1,8 @@
 """torchtitan's own Llama 3 ``parallelize_llama`` (TP with sequence parallel, then
 FSDP) on a (dp_shard=2, tp=2) mesh of 4 gloo ranks, with our ``fully_shard`` in place of
 torch's, against the same with torch's FSDP2: losses, first gradients, final shards and
-every layout bit for bit (bf16 parameters, fp32 reduction), eagerly, with each block
+every layout bit for bit (bf16 parameters, fp32 reduction), eagerly (also with
+torchtitan's full and selective activation checkpointing), with each block
 compiled by torchtitan's ``apply_compile``, and with the whole training step compiled as
 one graph (torch 2.12+); the compiled ones on AOTAutograd's eager backend. Body and the few CPU adaptations
 (the same on both sides) in ``torchtitan_cases``."""
@@ -26,6 +27,11 @@ def test_torchtitan_llama3_parallelize_trains_like_fsdp2() -> None:
         _assert_same(theirs["grads"], ours["grads"], f"rank {rank} grad")
         _assert_same(theirs["params"], ours["params"], f"rank {rank} param")
         assert ours["state_dict"] == theirs["state_dict"], f"rank {rank}"
+        for ac in ("full", "selective"):  # torchtitan's apply_ac on every block, eager
+            theirs_ac, ours_ac = result[f"theirs_ac_{ac}"], result[f"ours_ac_{ac}"]
+            assert ours_ac["losses"] == theirs_ac["losses"], f"rank {rank} {ac} AC"
+            _assert_same(theirs_ac["grads"], ours_ac["grads"], f"rank {rank} {ac} AC grad")
+            _assert_same(theirs_ac["params"], ours_ac["params"], f"rank {rank} {ac} AC param")
         # torchtitan's per-block compile (its apply_compile, aot_eager), before our fully_shard.
         blocks = result["blocks_compiled"]
         assert (blocks["graphs"], blocks["graph_breaks"]) == (2, {}), f"rank {rank}"

@@ -63,16 +63,18 @@ def llama3_config() -> Any:
     return config
 
 
-def parallelized_llama3(fully_shard: Callable[..., Any], compile_backend: str | None = None
-                        ) -> tuple[Any, Any]:
+def parallelized_llama3(fully_shard: Callable[..., Any], compile_backend: str | None = None,
+                        ac: str | None = None) -> tuple[Any, Any]:
     """torchtitan's trainer's set-up: the model built on meta, ``parallelize_llama`` with
-    ``fully_shard`` in place of torch's, then ``to_empty`` and ``init_weights``.
-    Returns the model and torchtitan's ``ParallelDims``."""
+    ``fully_shard`` in place of torch's (and torchtitan's own activation checkpointing of
+    every block, ``ac``: ``"full"`` or ``"selective"``), then ``to_empty`` and
+    ``init_weights``. Returns the model and torchtitan's ``ParallelDims``."""
     import torch.distributed as dist
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
@@ -92,7 +94,9 @@ def parallelized_llama3(fully_shard: Callable[..., Any], compile_backend: str | 
                                   compile_config=CompileConfig(enable=compile_backend is not None,
                                                                components=["model"],
                                                                backend=compile_backend or "inductor"),
-                                  ac_config=None, dump_folder="")
+                                  ac_config={None: None, "full": FullAC.Config(),
+                                             "selective": SelectiveAC.Config()}[ac],
+                                  dump_folder="")
     if fully_shard is torch_fully_shard:
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -117,8 +121,9 @@ def loss_of(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 def parity(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
     """torchtitan's Llama 3, parallelized by torchtitan with torch's ``fully_shard``
     (``theirs``) and with ours (``ours``), trained eagerly ``steps`` AdamW steps on the
-    same data; ours again with torchtitan's per-block compile (``blocks_compiled``) and,
-    where the installed torch can (``whole_step``), with forward, loss and backward
+    same data, also with torchtitan's full and selective activation checkpointing
+    (``theirs_ac_full``, ``ours_ac_full``, ...); ours again with torchtitan's per-block
+    compile (``blocks_compiled``) and, where the installed torch can (``whole_step``), with forward, loss and backward
     compiled as one graph (``compile_step``); both on AOTAutograd's eager backend, with
     their graph and graph-break counts."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -131,6 +136,10 @@ def parity(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
         model, parallel_dims = parallelized_llama3(fully_shard)
         dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank()
         result[name] = train(model, dp_rank, steps, loss_of=loss_of(model))
+    for ac in ("full", "selective"):  # torchtitan's own activation checkpointing
+        for name, fully_shard in (("theirs", torch_fully_shard), ("ours", fsdp_traceable.fully_shard)):
+            model, _ = parallelized_llama3(fully_shard, ac=ac)
+            result[f"{name}_ac_{ac}"] = train(model, dp_rank, steps, loss_of=loss_of(model))
     counters.clear()
     model, _ = parallelized_llama3(fsdp_traceable.fully_shard, compile_backend="aot_eager")
     result["blocks_compiled"] = train(model, dp_rank, steps, loss_of=loss_of(model))
