@@ -111,6 +111,7 @@ class FSDPModule(TorchFSDPModule):
             RuntimeError: not the root module, or a change of mode during backward or
                 after a backward started and before its finalization.
         """
+        check_bool("enabled", enabled)
         if not self._fsdp_group.settings.is_root:
             raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
         self._fsdp_group.root_state.finalization.set_manual(enabled)
@@ -135,6 +136,7 @@ class FSDPModule(TorchFSDPModule):
                 backward, a previous handle not waited for, HSDP partial reductions).
             NotImplementedError: called inside a compiled function.
         """
+        check_bool("async_op", async_op)
         return backward_finalization.finalize(self._fsdp_group, self._distinct_groups(), async_op)
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:

@@ -18,7 +18,7 @@ weakly), and the parameters ``fully_shard`` replaced (``fully_shard``, weakly).
 
 from __future__ import annotations
 
-from .backward_finalization import BackwardFinalization
+from .finalization_state import BackwardFinalization
 from .reduce_queue import ReduceQueue
 from .saved_unsharded import SavedUnsharded
 

@@ -123,9 +123,9 @@ def parity(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
     (``theirs``) and with ours (``ours``), trained eagerly ``steps`` AdamW steps on the
     same data, also with torchtitan's full and selective activation checkpointing
     (``theirs_ac_full``, ``ours_ac_full``, ...); ours again with torchtitan's per-block
-    compile (``blocks_compiled``) and, where the installed torch can (``whole_step``), with forward, loss and backward
-    compiled as one graph (``compile_step``); both on AOTAutograd's eager backend, with
-    their graph and graph-break counts."""
+    compile (``blocks_compiled``) and, where the installed torch can (``whole_step``),
+    with forward, loss and backward compiled as one graph (``compile_step``); both on
+    AOTAutograd's eager backend, with their graph and graph-break counts."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
