@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .features.module_compile import adopt_compiled_call
-from .forward_hooks import ForwardHooks
 from .fsdp_module import INSTANCE_FORWARD, FSDPModule
 from .module_hooks import InnerHooks
 from .unsharded_binding import param_property, register_parameter
@@ -45,7 +44,6 @@ def swap_class(module: nn.Module, cls: type) -> None:
     """Makes ``module`` an instance of ``cls`` (from :func:`fsdp_class` or ``owner_class``)."""
     module.__dict__.setdefault("_fsdp_unsharded", {})
     if issubclass(cls, FSDPModule):
-        module.__dict__["_fsdp_forward_hooks"] = ForwardHooks(module)
         module.__dict__["_fsdp_inner_hooks"] = InnerHooks(module)
         if "forward" in module.__dict__:  # see [Note: instance forward]
             module.__dict__[INSTANCE_FORWARD] = module.__dict__.pop("forward")

@@ -1,21 +1,18 @@
-"""Around a ``fully_shard``-ed module's forward: torch's forward-method hooks, the
-record of what one forward call took, and what the forward does to its inputs and
-output (the device check, the mixed-precision casts).
+"""Around a ``fully_shard``-ed module's forward: the record of what one forward call
+took, and what the forward does to its inputs and output (the device check, the
+mixed-precision casts).
 
 The forward itself is the group's: ``ParamGroup.pre_forward`` / ``post_forward``.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_map
-
-from ..collectives import comm
 
 
 class ForwardScope(NamedTuple):
@@ -26,37 +23,6 @@ class ForwardScope(NamedTuple):
     unsharded: tuple[torch.Tensor, ...] | None
     hooks: Any
     bound: bool = True
-
-
-class ForwardHooks:
-    """FSDP2's ``_pre_forward``/``_post_forward`` pair, for torch's
-    ``register_fsdp_forward_method``; scopes nest as the methods do."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._scopes: list[ForwardScope] = []
-        self._module = weakref.ref(module)
-
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs, scope = module._fsdp_group.pre_forward(module, args, kwargs)
-        self._scopes.append(scope)
-        return args, kwargs
-
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return module._fsdp_group.post_forward(module, self._scopes.pop(), output)
-
-    # torch's share_comm_ctx reads one module's stream context and assigns it to the
-    # others through these.
-    @property
-    def _comm_ctx(self) -> comm.DeviceStreams:
-        return self._module()._fsdp_group.settings.streams
-
-    @_comm_ctx.setter
-    def _comm_ctx(self, streams: comm.DeviceStreams) -> None:
-        self._module()._fsdp_group.configure(streams=streams)
-
-    @property
-    def _fsdp_param_groups(self) -> list:
-        return []  # share_comm_ctx's per-group assignment: done by the setter above
 
 
 def prepare_inputs(module: nn.Module, args: tuple, kwargs: dict, device_type: str,

@@ -24,7 +24,7 @@ from . import backward_finalization, forward_regions
 from .backward_finalization import GradientReductionHandle
 from .features import block_backward, module_compile
 from .features.module_compile import COMPILED_COMPUTE
-from .forward_hooks import ForwardHooks
+from .module_state import FSDPModuleState, state_of
 from .param_group import ParamGroup
 from .setting_checks import (
     check_bool,
@@ -410,9 +410,9 @@ class FSDPModule(TorchFSDPModule):
 
     # -- torch's hooks into the module ----------------------------------------------------
 
-    def _get_fsdp_state(self) -> ForwardHooks:
-        """What torch's ``register_fsdp_forward_method`` wrapper calls around a method."""
-        return self.__dict__["_fsdp_forward_hooks"]
+    def _get_fsdp_state(self) -> FSDPModuleState:
+        """The module's state (FSDP2's ``FSDPState`` shape; see :mod:`.module_state`)."""
+        return state_of(self)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to()/to_empty() rebuild the parameters: reshard first, then re-read them.

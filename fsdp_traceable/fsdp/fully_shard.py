@@ -27,11 +27,11 @@ from .arguments import (
     reshard_after_forward_flag,
 )
 from .class_swap import fsdp_class, swap_class
-from .features.pipeline_state import register_state
 from .features.tensor_parallel import data_parallel_mesh
 from .fsdp_module import FSDPModule
 from .group_params import GroupParams
 from .group_settings import GroupSettings
+from .module_state import register_state, state_of
 from .param_group import ParamGroup
 from .root_state import RootState
 from .unsharded_binding import owner_class
@@ -158,11 +158,15 @@ def fully_shard(
         swap_class(m, fsdp_class(type(m), tuple(owner_names.get(id(m), (None, []))[1])))
         m._fsdp_group = group
         m._fsdp_next_groups = []
-        register_state(m)  # for torch's pipeline stages: see [Note: pipeline schedules]
         forward_regions.register(m)
+    register_state(modules)
     if len(modules) == 1:
         _link_groups(modules[0])
     return module
+
+
+# As FSDP2's: fully_shard.state(module) is the module's state (see module_state).
+fully_shard.state = state_of
 
 
 def _log_group(group: ParamGroup, modules: list[nn.Module], reshard: bool | int | None) -> None:

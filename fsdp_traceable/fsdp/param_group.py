@@ -82,6 +82,10 @@ class ParamGroup:
         # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
         self._hooks_hidden = False
 
+    def modules_to_run_forward(self) -> set[nn.Module]:
+        """The group's modules whose forward has not run yet in the current pass."""
+        return {m for m in self.modules if id(m) in self._modules_to_run}
+
     def configure(self, **settings: object) -> None:
         """Sets the group's settings (see [Note: group settings]).
 

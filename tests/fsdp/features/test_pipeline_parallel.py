@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_traceable
-from fsdp_traceable.fsdp.features.pipeline_state import FullyShardState
+from fsdp_traceable.fsdp.module_state import FSDPModuleState
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp.features import pipeline_parallel_cases as cases
 
@@ -73,7 +73,7 @@ def _sharded_stage(mesh) -> cases.Stage:
 def test_fully_shard_state_is_what_pipeline_stages_reach_for(fake_mesh):
     stage = _sharded_stage(fake_mesh)
     state = torch.distributed.fsdp.fully_shard.state(stage)
-    assert isinstance(state, FullyShardState)
+    assert isinstance(state, FSDPModuleState)
     # The stage's root first, then each block (pre-order), one parameter group each.
     states = state._state_ctx.all_states
     assert states == [torch.distributed.fsdp.fully_shard.state(m)
