@@ -244,6 +244,20 @@ class FSDPModule(TorchFSDPModule):
         """
         self._set_group_flag("unshard_in_backward", unshard_in_backward, recurse=False)
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's: whether the pre-forward and pre-backward unshards of every group under
+        this module run their copy-in on the current stream (``True``: allocations stay
+        in that stream; overlap then comes from explicit prefetching) instead of the
+        copy-in stream. The all-gather itself is asynchronous either way; no stream
+        exists on CPU, where nothing changes. Numbers are the same.
+
+        Args:
+            async_op: ``True`` for the current stream.
+        """
+        check_bool("async_op", async_op)
+        for group in self._groups(recurse=True):
+            group.configure(unshard_async_op=async_op)
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Whether this module's collectives reduce with ``sum`` only (divides done apart).
 

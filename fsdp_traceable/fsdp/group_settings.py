@@ -29,7 +29,7 @@ SETTINGS = frozenset({
     "reduce_scatter_unused_params", "all_reduce_hook", "all_reduce_hook_stream",
     "unshard_in_backward", "all_gather_comm", "reduce_scatter_comm",
     "explicit_forward_prefetch", "explicit_backward_prefetch", "prefetch_backward",
-    "streams", "is_root", "keep_unsharded_storage",
+    "streams", "is_root", "keep_unsharded_storage", "unshard_async_op",
 })
 
 
@@ -68,6 +68,8 @@ class GroupSettings:
         self.all_gather_comm: AllGather | None = None
         self.reduce_scatter_comm: ReduceScatter | None = None
         self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
+        # FSDP2's _set_unshard_async_op(True): the copy-in on the current stream.
+        self.unshard_async_op = False
         # Prefetch: whether set explicitly, and what the group's backward prefetches
         # (set when the root links the groups, or by set_modules_to_backward_prefetch).
         self.explicit_forward_prefetch = False

@@ -308,7 +308,8 @@ class ParamGroup:
             return settings.post_forward_mesh.regather(kept, settings.all_gather_comm)
         return group_all_gather.start_all_gather(
             self.params, [p._local_tensor for p in self.params.sharded_params],
-            streams=settings.streams, all_gather_comm=settings.all_gather_comm,
+            streams=None if settings.unshard_async_op else settings.streams,
+            all_gather_comm=settings.all_gather_comm,
         )
 
     @labelled("all_gather_copy_out")

@@ -75,6 +75,10 @@ def deprecated_divide_factor(rank: int, world_size: int) -> dict[str, Any]:
     return {"warnings": caught, "factor": ours._fsdp_group.settings.gradient_divide_factor}
 
 
+def unshard_async_op(rank: int, world_size: int) -> dict[str, Any]:
+    return _train_both_with(_on_every_module("_set_unshard_async_op", True), rank, world_size)
+
+
 def force_sum(rank: int, world_size: int) -> dict[str, Any]:
     return _train_both_with(_on_every_module("set_force_sum_reduction_for_comms", True),
                             rank, world_size)

@@ -23,7 +23,8 @@ IMPLEMENTED = {"unshard", "reshard", "reset_iter_state", "set_requires_gradient_
                "set_all_reduce_hook", "set_modules_to_forward_prefetch",
                "set_modules_to_backward_prefetch", "set_unshard_in_backward",
                "set_post_optim_event", "set_custom_all_gather", "set_custom_reduce_scatter",
-               "set_symm_mem_for_comm", "set_allocate_memory_from_process_group_for_comm"}
+               "set_symm_mem_for_comm", "set_allocate_memory_from_process_group_for_comm",
+               "_set_unshard_async_op"}
 
 
 def test_sharded_modules_are_torch_fsdp_modules(fake_mesh):

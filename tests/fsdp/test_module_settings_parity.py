@@ -17,6 +17,7 @@ TWO_RANK_CASES = [
     ("divide_custom_sum", settings_cases.divide_factor, ("custom_sum",)),
     ("deprecated_divide", settings_cases.deprecated_divide_factor, ()),
     ("force_sum", settings_cases.force_sum, ()),
+    ("unshard_async_op", settings_cases.unshard_async_op, ()),
     ("unused_reduced", settings_cases.unused_params_reduced, ()),
     ("all_reduce_hook", settings_cases.all_reduce_hook, (False,)),
     ("explicit_prefetch", settings_cases.explicit_prefetch, ()),
@@ -50,6 +51,7 @@ def _assert_same_training(result: dict[str, Any]) -> None:
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", ["divide_shard_size", "divide_custom_sum", "force_sum",
+                                  "unshard_async_op",
                                   "unused_reduced", "all_reduce_hook", "explicit_prefetch",
                                   "unshard_in_backward", "custom_comms",
                                   "process_group_allocation"])
