@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
 from torch.distributed.tensor import DTensor
 
-from ..collectives import ShardInfo
+from ..collectives import ShardInfo, make_shard_info
 from ..collectives.bucket_layout import BucketLayout
 from ..collectives.validation import check_bucket_bytes
 from .arguments import shard_placement
@@ -209,8 +209,24 @@ class GroupParams:
                 # go back to host memory.
                 param._local_tensor = pinned(param._local_tensor.cpu())
             self.sharded_params[index] = param
+        self._adopt_dtypes()
         _ = self.extensions  # malformed hooks of the new local tensors raise now
         self._materialized = False
+
+    def _adopt_dtypes(self) -> None:
+        """After ``module.to(dtype)``: each parameter's shard layout (and the bucket's)
+        in its new dtype, the policy's dtypes kept, as FSDP2 reads its parameters' dtype
+        again at the next all-gather."""
+        changed = False
+        for index, (param, info) in enumerate(zip(self.sharded_params, self.infos)):
+            if param.dtype != info.orig_dtype:
+                self.infos[index] = make_shard_info(
+                    info.global_size, info.world_size, info.rank, shard_dim=info.shard_dim,
+                    orig_dtype=param.dtype, param_dtype=self.mp_policy.param_dtype,
+                    reduce_dtype=self.mp_policy.reduce_dtype, offload_to_cpu=info.offload_to_cpu)
+                changed = True
+        if changed:
+            self.layout = BucketLayout.of(self.infos)
 
     # -- what an all-gather reads ----------------------------------------------------------
 

@@ -168,6 +168,16 @@ def float64_params(rank: int, world_size: int, mode: str,
                        shard_transformer, mode)
 
 
+def _cast_after_sharding(model: Transformer, fully_shard_fn: Callable, **kwargs: Any) -> Transformer:
+    return shard_transformer(model, fully_shard_fn, **kwargs).to(torch.float64)
+
+
+def float64_after_fully_shard(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """``model.to(torch.float64)`` after ``fully_shard``: the next all-gathers, compute,
+    gradients and optimizer state in float64."""
+    return train_modes(uneven_transformer(), rank, world_size, _cast_after_sharding, mode)
+
+
 def shard_placement_result(rank: int, world_size: int, mode: str) -> dict[str, Any]:
     """``shard_placement_fn`` returning ``ShardPlacementResult`` on fully_shard's mesh:
     ``Shard(1)`` for matrices whose dim 1 divides evenly, the default otherwise."""
