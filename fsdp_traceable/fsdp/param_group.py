@@ -352,6 +352,17 @@ class ParamGroup:
         Returns:
             The (cast) arguments and what :meth:`post_forward` releases.
         """
+        if not self.settings.is_root:
+            return self._start_forward(module, args, kwargs, bind)
+        self._root_state.root_forwards += 1
+        try:
+            return self._start_forward(module, args, kwargs, bind)
+        except BaseException:
+            self._root_state.root_forwards -= 1
+            raise
+
+    def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict, bind: bool
+                       ) -> tuple[tuple, dict, ForwardScope]:
         traced = comm.use_traced_path()
         if not traced:  # see [Note: backward finalization]
             self._root_state.finalization.before_forward()
@@ -368,7 +379,10 @@ class ParamGroup:
             )
         args, kwargs = prepare_inputs(module, args, kwargs, self.params.device_type,
                                       self.params.mp_policy)
-        shared = len(self.modules) > 1
+        # A fully_shard([a, b]) group's modules share one pass inside the root's forward;
+        # one of them called on its own after it (a chunked loss calling the head per
+        # chunk) is a pass of its own, as it is for FSDP2 and for the module sharded alone.
+        shared = len(self.modules) > 1 and self._root_state.root_forwards > 0
         bound = True
         if self._state is GroupState.UNSHARDED:
             unsharded = self._unsharded
@@ -419,17 +433,20 @@ class ParamGroup:
         """
         if scope.hooks is not None:
             scope.hooks.__exit__(None, None, None)
-        if len(self.modules) > 1:
+        if self._state is GroupState.LIST_FORWARD:
             self._modules_to_run.discard(id(module))
             if not self._modules_to_run:
                 self._release_shared()
         elif scope.unsharded is not None:
             self._release(scope.unsharded, scope.bound)
-        if self.settings.is_root and scope.unsharded is not None:
-            # FSDP2 ends the pass of groups whose modules did not all run at the root's end.
-            for other in self._list_groups:
-                if other._state is GroupState.LIST_FORWARD:
-                    other._release_shared()
+        if self.settings.is_root:
+            self._root_state.root_forwards -= 1
+            if scope.unsharded is not None:
+                # FSDP2 ends the pass of groups whose modules did not all run at the
+                # root's end.
+                for other in self._list_groups:
+                    if other._state is GroupState.LIST_FORWARD:
+                        other._release_shared()
         if self.params.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.params.mp_policy.output_dtype)
         return output
@@ -438,7 +455,9 @@ class ParamGroup:
         """Unbinds after a forward that raised, so the next call starts clean."""
         if scope.hooks is not None:
             scope.hooks.__exit__(None, None, None)
-        if len(self.modules) > 1:
+        if self.settings.is_root:
+            self._root_state.root_forwards -= 1
+        if self._state is GroupState.LIST_FORWARD:
             self._release_shared()
         elif scope.unsharded is not None:
             self._release(scope.unsharded, scope.bound)

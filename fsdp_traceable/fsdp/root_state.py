@@ -31,4 +31,7 @@ class RootState:
     def __init__(self) -> None:
         self.reduce_queue = ReduceQueue()
         self.saved_unsharded = SavedUnsharded()
+        # How many forwards of the root module are running (a registered forward method
+        # may call forward): a fully_shard([a, b]) group's pass needs one.
+        self.root_forwards = 0
         self.finalization = BackwardFinalization(self.reduce_queue)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -166,6 +167,64 @@ def float64_params(rank: int, world_size: int, mode: str,
     """A float64 model (gloo all-gathers and reduce-scatters float64)."""
     return train_modes(uneven_transformer(config=config).double(), rank, world_size,
                        shard_transformer, mode)
+
+
+class _ChunkedHead(nn.Module):
+    """A chunked-loss model: ``forward`` stops before the head, which the loss calls per
+    chunk of the sequence."""
+
+    def __init__(self, config: TransformerConfig = UNEVEN) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.body = nn.Sequential(nn.Linear(config.dim, config.dim), nn.GELU())
+        self.norm = nn.RMSNorm(config.dim)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.body(self.embed(tokens)))
+
+
+def _chunked_step(model: _ChunkedHead, tokens: torch.Tensor, targets: torch.Tensor,
+                  chunks: int = 3) -> float:
+    """The chunked-loss pattern: the body's output detached and split by position, the
+    head and loss run and backpropagated per chunk, then the body's backward with the
+    chunks' input gradients."""
+    h = model(tokens)
+    total, grads = 0.0, []
+    for h_chunk, target in zip(h.detach().chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
+        h_chunk = h_chunk.contiguous().requires_grad_(True)
+        loss = F.cross_entropy(model.head(h_chunk).flatten(0, 1), target.flatten())
+        loss.backward()
+        total += loss.item()
+        grads.append(h_chunk.grad)
+    h.backward(torch.cat(grads, dim=1))
+    return total
+
+
+def chunked_head_after_group_forward(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """``fully_shard([norm, head])`` whose ``head`` the model's forward skips and the loss
+    then calls on its own, per chunk (eager)."""
+    assert mode == "eager", mode
+    torch.manual_seed(0)
+    base = _ChunkedHead()
+    result = {}
+    for name, fully_shard_fn in LIBRARIES:
+        model = copy.deepcopy(base)
+        fully_shard_fn(model.embed)
+        fully_shard_fn(model.body)
+        fully_shard_fn([model.norm, model.head])
+        fully_shard_fn(model)
+        optimizer = make_optimizer("adamw", model.parameters())
+        losses, grads = [], None
+        for step in range(2):
+            losses.append(_chunked_step(model, *batch(step, rank, world_size, UNEVEN)))
+            if grads is None:
+                grads = [_local(p.grad).clone() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+        result[name] = {"losses": losses, "grads": grads, "params": full_params(model),
+                        "locals": [_local(p).detach().clone() for p in model.parameters()]}
+    return result
 
 
 def _cast_after_sharding(model: Transformer, fully_shard_fn: Callable, **kwargs: Any) -> Transformer:

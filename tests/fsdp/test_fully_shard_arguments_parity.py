@@ -24,7 +24,8 @@ from tests.fsdp import parity_cases
 from tests.fsdp.feature_cases import assert_bitwise, case_results, run_cases
 
 EAGER_CASES = ("module_list_group", "root_reshard_true", "cpu_offload", "ignored_params",
-               "float64_params", "float64_after_fully_shard", "shard_placement_result")
+               "float64_params", "float64_after_fully_shard", "shard_placement_result",
+               "chunked_head_after_group_forward")
 # Compiled case: its mode (the compile dominates the test's time).
 # Not CPU offload: on a CPU mesh its host copies are no-ops, so compiled it would trace
 # nothing the other cases do not; tests/gpu/test_cuda.py compiles it on CUDA.

@@ -69,8 +69,10 @@ def test_modules_to_run_forward_empties_after_the_pass(fake_mesh):
     fully_shard([model[0], model[1]], mesh=fake_mesh)
     fully_shard(model, mesh=fake_mesh)
     state = fully_shard.state(model[0])
+    seen = []
+    model[0].register_forward_hook(lambda *_: seen.append(set(state._modules_to_run_forward)))
     with torch.no_grad():
-        model[0](torch.randn(2, 4))
-        assert state._modules_to_run_forward == {model[1]}
-        model[1](torch.randn(2, 4))
-    assert state._modules_to_run_forward == set()
+        model(torch.randn(2, 4))  # the group's pass, inside the root's forward
+        assert seen == [{model[1]}] and state._modules_to_run_forward == set()
+        model[0](torch.randn(2, 4))  # on its own afterwards: a pass of its own
+    assert seen[-1] == set() and state._modules_to_run_forward == set()
