@@ -114,7 +114,8 @@ def fully_shard(
         if isinstance(m, TorchFSDPModule):  # ours or torch's
             which = "it" if isinstance(m, FSDPModule) else "torch's fully_shard (FSDP2)"
             raise AssertionError(  # FSDP2's type
-                f"fully_shard can only be applied to a module once, and this "
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard can only be applied to a module once, and this "
                 f"{type(m).__name__} already has {which}: apply one fully_shard "
                 "once per module (modules that share parameters go in one call, "
                 "fully_shard([module_a, module_b]))"
