@@ -1,4 +1,24 @@
-"""What ``torch.distributed.pipelining`` finds at ``fully_shard.state(module)``.
+"""A ``fully_shard``-ed module's state: the one object ``fully_shard.state(module)`` and
+``module._get_fsdp_state()`` return, shaped as FSDP2's ``FSDPState`` where torch's own
+code and FSDP2's users read it.
+
+``fully_shard`` builds one :class:`FSDPModuleState` per module, in one place, and stores
+it in the module's ``__dict__`` under torch's composable-API registry key (where torch's
+``contract`` decorator stores FSDP2's), so ``torch.distributed.fsdp.fully_shard.state``
+finds it too. It holds its module weakly and reads everything else from the module's
+parameter group: no state of its own but the ``_lazy_init`` record and the scopes of
+the forward methods torch's ``register_fsdp_forward_method`` wraps.
+
+What it answers, with FSDP2's meaning: ``_pre_forward`` / ``_post_forward`` (around a
+registered forward method), ``_comm_ctx`` (``share_comm_ctx``), ``_is_root``,
+``_lazy_init()`` (its checks; the groups are linked when the root's ``fully_shard``
+runs), ``_modules_to_run_forward``, ``_fsdp_param_group`` (the module path and each
+parameter's path), ``_state_ctx.all_states`` and the pipeline calls below.
+
+It is not an instance of torch's ``FSDPState`` and is not entered in torch's
+module-to-state mapping: torch's code that finds an ``FSDPState`` there (FSDP2's own
+lazy init of an enclosing torch ``fully_shard`` root, ``_get_managed_modules``) would
+drive the module with FSDP2's internals. See docs/api.md.
 
 [Note: pipeline schedules]
 torch's pipeline stages and schedules take their FSDP path for any
@@ -11,24 +31,26 @@ through the composable-API registry: ``fully_shard.state(stage_module)``, then
 ``post_backward()`` on every parameter group of every state in
 ``state._state_ctx.all_states``, then ``state._root_post_backward_final_callback()``.
 Interleaved schedules also call ``unshard(async_op=True)`` / ``reshard()`` per module.
-
-Every ``fully_shard``-ed module of ours carries a :class:`FullyShardState` under that
-registry key (in the module's own ``__dict__``, where torch's ``contract`` decorator
-stores FSDP2's), so that code finds the same methods with FSDP2's meaning:
 ``post_backward()`` reduce-scatters the group's accumulated gradients (and frees the
 parameters kept for backward when ``reshard_after_backward`` is set); the final callback
 finishes the model's reductions in flight, which writes ``.grad``. torch itself is not
-changed. Where torch has no such registry (no ``fully_shard.state``), nothing is
-registered and the stage code, which then does not call it either, is unaffected.
+changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from typing import Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from ..collectives import comm
+
+if TYPE_CHECKING:
+    from .forward_hooks import ForwardScope
+    from .param_group import ParamGroup
 
 try:  # torch's composable-API registry: where fully_shard.state(module) looks
     from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
@@ -38,93 +60,169 @@ except ImportError:  # pragma: no cover - every supported torch has it
 _STATE_FUNC = getattr(torch_fully_shard, "__wrapped__", None)
 
 
-def register_state(module: nn.Module) -> bool:
-    """Registers ``module``'s :class:`FullyShardState` where ``fully_shard.state`` finds it.
+# Where the state lives when this torch has no composable-API registry.
+_OWN_KEY = "_fsdp_module_state"
+
+
+def register_state(modules: list[nn.Module]) -> FSDPModuleState:
+    """Builds the :class:`FSDPModuleState` of one ``fully_shard`` call (one for the
+    modules of a list) and stores it where ``fully_shard.state`` (ours and torch's)
+    finds it.
 
     Args:
-        module: a module :func:`~fsdp_traceable.fully_shard` was applied to.
+        modules: the modules :func:`~fsdp_traceable.fully_shard` was applied to.
 
     Returns:
-        Whether it was registered (``False`` where torch has no composable registry).
+        The state.
     """
-    if _STATE_KEY is None or _STATE_FUNC is None or not hasattr(torch_fully_shard, "state"):
-        return False
-    states = module.__dict__.setdefault(_STATE_KEY, {})
-    states[_STATE_FUNC] = FullyShardState(module)
-    return True
+    state = FSDPModuleState(modules)
+    for module in modules:
+        module.__dict__[_OWN_KEY] = state
+        if _STATE_KEY is not None and _STATE_FUNC is not None:
+            module.__dict__.setdefault(_STATE_KEY, {})[_STATE_FUNC] = state
+    return state
 
 
-class _OutsideBackward(Protocol):
-    """What a stage's call needs of a parameter group (``ParamGroup``)."""
+def state_of(module: nn.Module) -> FSDPModuleState | None:
+    """``fully_shard.state(module)``: the module's state, or ``None`` if ``fully_shard``
+    was not applied to it."""
+    return module.__dict__.get(_OWN_KEY)
 
-    def post_backward_outside_backward(self) -> None: ...
+
+@dataclasses.dataclass(frozen=True)
+class _ParamView:
+    """A parameter as FSDP2's ``FSDPParam`` names it."""
+
+    _param_fqn: str
 
 
-class _GroupBackward:
-    """One parameter group as the stage code calls it: ``post_backward()``."""
+class _GroupView:
+    """A parameter group as FSDP2's ``FSDPParamGroup`` is read from outside: the stage
+    code's ``post_backward()``, the module and parameter paths, and the ``comm_ctx``
+    that ``share_comm_ctx`` assigns (the state's ``_comm_ctx`` setter applies it)."""
 
-    def __init__(self, group: _OutsideBackward) -> None:
+    def __init__(self, group: ParamGroup) -> None:
         self._group = group
+        self.comm_ctx: object = None
 
     def post_backward(self, *unused: object) -> None:
         """Reduce-scatters the group's accumulated gradients (FSDP2's meaning)."""
         self._group.post_backward_outside_backward()
 
+    @property
+    def _module_fqn(self) -> str:
+        return self._group.name
+
+    @property
+    def fsdp_params(self) -> list[_ParamView]:
+        prefix = f"{self._group.name}." if self._group.name else ""
+        return [_ParamView(prefix + fqn) for fqn in self._group.params.fqns]
+
 
 class _StateContext:
-    """FSDP2's ``_state_ctx``: the states of every ``fully_shard``-ed module under the
-    module asked (itself first, pre-order), each group once."""
+    """FSDP2's ``_state_ctx``: the states of every ``fully_shard`` call under the
+    module asked (itself first, pre-order), each once."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
 
     @property
-    def all_states(self) -> list[FullyShardState]:
-        states, seen = [], set()
-        for m in self._module.modules():
-            # A fully_shard-ed module of ours holds its group in its __dict__.
-            if "_fsdp_group" in vars(m) and id(m._fsdp_group) not in seen:
-                seen.add(id(m._fsdp_group))
-                states.append(_state_of(m))
-        return states
+    def all_states(self) -> list[FSDPModuleState]:
+        states = (state_of(m) for m in self._module.modules())
+        return list({id(s): s for s in states if s is not None}.values())
 
     @property
     def is_last_backward(self) -> bool:
         return True  # nothing of ours waits for it (see FSDPModule.set_is_last_backward)
 
 
-class FullyShardState:
-    """The part of FSDP2's ``FSDPState`` that torch's pipeline stages read (see
-    [Note: pipeline schedules]). Holds its module weakly: a module's state never keeps
-    it alive."""
+class FSDPModuleState:
+    """One ``fully_shard`` call's state, shaped as FSDP2's ``FSDPState`` (see the module
+    docstring). Holds its modules weakly: a module's state never keeps it alive."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self._module = weakref.ref(module)
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self._modules = [weakref.ref(m) for m in modules]
+        # Whether _lazy_init ran on it, and as the root of what it initialized.
+        self._lazy_initialized = False
+        # The scopes of the registered forward methods running now (they nest).
+        self._scopes: list[ForwardScope] = []
 
     def _owner(self) -> nn.Module:
-        module = self._module()
+        module = self._modules[0]()
         if module is None:
             raise RuntimeError("the module of this fully_shard state was freed")
         return module
+
+    @property
+    def _group(self) -> ParamGroup:
+        return self._owner()._fsdp_group
+
+    # -- torch's register_fsdp_forward_method ---------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs, scope = module._fsdp_group.pre_forward(module, args, kwargs)
+        self._scopes.append(scope)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return module._fsdp_group.post_forward(module, self._scopes.pop(), output)
+
+    # -- torch's share_comm_ctx: reads one module's streams and assigns them to others ----
+
+    @property
+    def _comm_ctx(self) -> comm.DeviceStreams:
+        return self._group.settings.streams
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, streams: comm.DeviceStreams) -> None:
+        self._group.configure(streams=streams)
+
+    # -- what FSDP2's users and tests read ------------------------------------------------
+
+    @property
+    def _is_root(self) -> bool:
+        return self._group.settings.is_root
+
+    @property
+    def _modules_to_run_forward(self) -> set[nn.Module]:
+        """The group's modules whose forward has not run yet in the current pass."""
+        return self._group.modules_to_run_forward()
+
+    def _lazy_init(self) -> None:
+        """FSDP2's lazy-init checks: one root module, and no state under it initialized
+        as a root before (the groups themselves are linked by the root's ``fully_shard``)."""
+        if len(self._modules) > 1:
+            raise RuntimeError(
+                f"FSDP requires a single root module but got {[m() for m in self._modules]}")
+        if self._lazy_initialized:
+            return
+        root = self._owner()
+        for path, module in root.named_modules():
+            state = state_of(module)
+            if state is not None and state is not self and state._lazy_initialized:
+                raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {path}\n"
+                    "FSDP requires running forward through the root module first")
+        for module in root.modules():
+            state = state_of(module)
+            if state is not None:
+                state._lazy_initialized = True
+
+    # -- torch's pipeline stages: see [Note: pipeline schedules] ---------------------------
 
     @property
     def _state_ctx(self) -> _StateContext:
         return _StateContext(self._owner())
 
     @property
-    def _fsdp_param_groups(self) -> list[_GroupBackward]:
-        return [_GroupBackward(self._owner()._fsdp_group)]
+    def _fsdp_param_groups(self) -> list[_GroupView]:
+        return [_GroupView(self._group)]
 
     @property
-    def _fsdp_param_group(self) -> _GroupBackward:  # torch before the list
+    def _fsdp_param_group(self) -> _GroupView:  # torch before the list
         return self._fsdp_param_groups[0]
 
     def _root_post_backward_final_callback(self) -> None:
         """Finishes the model's gradient reductions in flight (writing ``.grad``), as
         FSDP2's end-of-backward callback waits for its reduce-scatters."""
-        self._owner()._fsdp_group.finish_reductions()
-
-
-def _state_of(module: nn.Module) -> FullyShardState:
-    state = module.__dict__.get(_STATE_KEY, {}).get(_STATE_FUNC)
-    return state if isinstance(state, FullyShardState) else FullyShardState(module)
+        self._group.finish_reductions()
