@@ -62,6 +62,23 @@ def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
                 assert torch.equal(ours["grads"][name][2], grad), f"{what} {name} grad"
             for name, param in theirs["params"].items():
                 assert torch.equal(ours["params"][name], param), f"{what} {name}"
+        if regions_available():
+            # Under Inductor, each block's forward a call of one of two regions (plain,
+            # checkpointed): eager's numbers within Inductor's rounding. What a region's
+            # forward saves of its inputs for its backward stays alive to the backward
+            # (see [Note: region outputs that are inputs]).
+            theirs, ours = by_setting["inductor regions"]["theirs"], by_setting["inductor regions"]["ours"]
+            what = f"rank {rank} inductor regions"
+            assert ours["frames"] == 1 and ours["graph_breaks"] == {}, what
+            assert ours["regions"] == (4, 2), what
+            torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=0, atol=1e-5)
+            for name, (kind, placements, grad) in theirs["grads"].items():
+                assert ours["grads"][name][:2] == (kind, placements), f"{what} {name}"
+                torch.testing.assert_close(ours["grads"][name][2], grad, rtol=0, atol=1e-5,
+                                           msg=lambda m, n=name: f"{what} {n} grad: {m}")
+            for name, param in theirs["params"].items():
+                torch.testing.assert_close(ours["params"][name], param, rtol=0, atol=1e-5,
+                                           msg=lambda m, n=name: f"{what} {n}: {m}")
         # The gradients clipped, then AdamW's update and zero_grad, in the graph, the
         # learning rate halved every step without a recompile: eager's numbers but for
         # the bias corrections, which the graph computes as tensors where eager takes

@@ -1,6 +1,7 @@
 """Rank-side bodies of the whole-step tests: forward, loss and backward compiled as one
 graph by :func:`fsdp_traceable.compile_step`, torch's FSDP2 eager as the reference, on the
-built-in transformer and Hugging Face's ``LlamaForCausalLM``."""
+built-in transformer, Hugging Face's ``LlamaForCausalLM`` and, under Inductor with
+forward regions, a small stack of LayerNorm MLP blocks."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 
 import fsdp_traceable
@@ -30,14 +34,71 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def train_each(rank: int, world_size: int, settings: tuple[bool | None, ...],
                backend: str, with_llama: bool) -> dict[Any, dict[str, Any]]:
     """:func:`train` per ``reshard_after_forward`` setting, with the optimizer traced
-    into the step (key ``"optimizer in step"``), and :func:`llama` (key ``"llama"``) if
-    ``with_llama``, in one rank run."""
+    into the step (key ``"optimizer in step"``), :func:`llama` (key ``"llama"``) if
+    ``with_llama``, and :func:`inductor_regions` (key ``"inductor regions"``) where
+    this torch has forward regions, in one rank run."""
     results: dict[Any, dict[str, Any]] = {
         setting: train(rank, world_size, setting, backend) for setting in settings}
     results["optimizer in step"] = train(rank, world_size, None, backend,
                                          optimizer_in_step=True)
     if with_llama:
         results["llama"] = llama(rank, world_size, backend)
+    if regions_available():
+        results["inductor regions"] = inductor_regions(rank, world_size)
+    return results
+
+
+class _NormMLP(nn.Module):
+    """A residual LayerNorm MLP block (LayerNorm's backward reads the block's input)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _NormMLPStack(nn.Module):
+    def __init__(self, vocab_size: int, dim: int = 16, hidden: int = 49, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(_NormMLP(dim, hidden) for _ in range(depth))
+        self.output = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x)
+
+
+def _token_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def inductor_regions(rank: int, world_size: int) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of four LayerNorm MLP blocks (uneven shards; the second and
+    fourth wrapped by torch's ``checkpoint_wrapper`` before ``fully_shard``), per library
+    (:func:`_train`); ours compiled by Inductor with each block's forward a call of one
+    of two regions (plain, checkpointed; ``config.forward_regions``), with Inductor's
+    and AOTAutograd's caches off (a cached graph would not run the step's graph
+    passes)."""
+    torch.manual_seed(0)
+    base = _NormMLPStack(UNEVEN.vocab_size)
+    results = {}
+    for name, fully_shard_fn in LIBRARIES:
+        model = copy.deepcopy(base)
+        for index in (1, 3):
+            model.layers[index] = checkpoint_wrapper(model.layers[index], preserve_rng_state=False)
+        for layer in model.layers:
+            fully_shard_fn(layer)
+        fully_shard_fn(model)
+        with torch.compiler.config.patch(force_disable_caches=True):
+            results[name] = _train(model, _token_loss, name == "ours", rank, world_size,
+                                   "inductor", forward_regions=True)
     return results
 
 

@@ -10,6 +10,8 @@ graph around torch's recompute pass (``_torch_patches.complete_whole_step_recomp
   region call that follows it, so a block's all-gather runs during the previous
   block's compute. Inductor keeps a collective where the graph puts it, and its
   scheduling passes do not move one across a region call.
+* :func:`read_passed_through_inputs_outside_regions` (last): what a region returns of
+  its own inputs is read from those inputs (see [Note: region outputs that are inputs]).
 
 The second pass's raise also serves compiled autograd's backward, where each block's
 backward is one region call (``fsdp_traceable.backward_regions``):
@@ -31,7 +33,7 @@ from . import fx_ops
 from .fx_ops import is_collective, op_name
 
 __all__ = ["CompiledAutogradOverlap", "overlap_collectives_across_regions",
-           "reroute_region_inputs_to_backward"]
+           "read_passed_through_inputs_outside_regions", "reroute_region_inputs_to_backward"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,72 @@ def reroute_region_inputs_to_backward(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return rerouted
+
+
+# [Note: region outputs that are inputs]
+# Torch's partitioner of a region's forward and backward (AOTAutograd's
+# ``run_joint_graph_passes_on_hops``) makes the forward return what the backward
+# saves, and that includes the region's own inputs (a block's input activation, which
+# LayerNorm's backward reads; an unsharded weight) or views of them. Inductor lowers
+# each output of an ``invoke_subgraph`` call as a buffer of its own (``InvokeSubgraph``
+# in ``torch/_inductor/ir.py``): it does not know that the output is the input's
+# storage, so it frees the input's buffer after its last direct read, the region call,
+# and hands that memory to the next buffer of its size, which overwrites the "saved"
+# value before the backward reads it (measured on torch 2.13: a LayerNorm weight's
+# gradient off by more than its size, and a checkpointed block's far worse, where
+# torch's recompute pass re-runs the forward region right before its backward). In a
+# whole step, forward and backward are one graph, so the forward's buffers are
+# reused before the backward. Each read of such an output reads the input instead
+# (through the same views, outside the region): the input's buffer then lives to its
+# last read, and the output, read by nothing, is dropped.
+
+
+def read_passed_through_inputs_outside_regions(gm: fx.GraphModule) -> int:
+    """Every read of what a region call returns of its own inputs (an input, or a chain
+    of views of one) reads that input instead; returns how many reads it rerouted.
+    See [Note: region outputs that are inputs]."""
+    rerouted = 0
+    for node in list(gm.graph.nodes):
+        if (node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph
+                or node.args[0].op != "get_attr"):
+            continue
+        region = getattr(gm, node.args[0].target)
+        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+        outputs = next(n for n in region.graph.nodes if n.op == "output").args[0]
+        operands = node.args[2:]
+        for user in list(node.users):
+            if user.target is not operator.getitem or not user.users:
+                continue
+            chain = _view_chain(outputs[user.args[1]])
+            if chain is None:
+                continue
+            placeholder, views = chain
+            value = operands[placeholders.index(placeholder)]
+            if not isinstance(value, fx.Node):
+                continue
+            with gm.graph.inserting_before(node):
+                for view in views:
+                    value = _outer_view(gm.graph, view, value)
+            rerouted += len(user.users)
+            user.replace_all_uses_with(value)
+            gm.graph.erase_node(user)
+    if rerouted:
+        gm.graph.lint()
+        gm.recompile()
+    return rerouted
+
+
+def _outer_view(graph: fx.Graph, view: fx.Node, base: fx.Node) -> fx.Node:
+    """``view`` (a view node of a region's graph, its base its only node argument)
+    applied to ``base`` in ``graph``, with the value ``base``'s fake tensor gives."""
+    node = graph.call_function(view.target, (base, *view.args[1:]), dict(view.kwargs))
+    base_value = base.meta.get("val")
+    if isinstance(base_value, torch.Tensor) and hasattr(base_value, "fake_mode"):
+        with base_value.fake_mode:
+            node.meta["val"] = view.target(base_value, *view.args[1:], **view.kwargs)
+    else:
+        node.meta["val"] = view.meta.get("val")
+    return node
 
 
 def _is_wait(node: fx.Node) -> bool:

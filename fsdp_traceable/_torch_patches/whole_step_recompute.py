@@ -8,7 +8,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..region_schedule import overlap_collectives_across_regions, reroute_region_inputs_to_backward
+from ..region_schedule import (
+    overlap_collectives_across_regions,
+    read_passed_through_inputs_outside_regions,
+    reroute_region_inputs_to_backward,
+)
 from .wrapping import wrap_once
 
 REMAT_PASS_MODULE = (
@@ -143,7 +147,9 @@ def complete_whole_step_recompute() -> bool:
 
     The pass is wrapped so both run first. Where blocks run as forward regions, the
     backward reads their recomputed parameters from the re-gather first, and after
-    the pass each collective moves across the region call next to it, for overlap
+    the pass each collective moves across the region call next to it, for overlap,
+    and what a region returns of its own inputs is read from those inputs, which
+    Inductor would otherwise overwrite before the backward reads them
     (:mod:`fsdp_traceable.region_schedule`).
 
     Applies to: every torch whose AOTAutograd runs
@@ -169,6 +175,7 @@ def complete_whole_step_recompute() -> bool:
             gm = current(gm)
             mark_recomputed_as_backward(gm)
             overlap_collectives_across_regions(gm)
+            read_passed_through_inputs_outside_regions(gm)
             return gm
 
         return remat_using_tags_for_fwd_loss_bwd_graph
