@@ -24,7 +24,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fsdp_traceable.models.transformer import Transformer, TransformerBlock
+from fsdp_traceable.cli.memory import peak_allocated_bytes
+from fsdp_traceable.models.transformer import Transformer, TransformerBlock, TransformerConfig
 from tests.fsdp.feature_cases import record_all_gathers
 from tests.fsdp.parity_cases import LIBRARIES, run_steps, uneven_transformer
 from tests.fsdp.parity_utils import compile_backend
@@ -132,3 +133,29 @@ def checkpointed_training(rank: int, world_size: int, order: str, ac: str,
         result[name]["block_forwards"] = calls[0]
         result[name]["all_gathers"] = len(gathers)
     return result
+
+
+# Activations matter at this size, as in real training (see test_fully_shard_eager).
+PEAK_CONFIG = TransformerConfig(vocab_size=256, dim=128, n_layers=3, n_heads=4, max_seq_len=64)
+
+
+def checkpointed_peaks(rank: int, world_size: int, order: str, ac: str) -> dict[str, int]:
+    """Each library's least disturbed peak of host bytes allocated on the calling thread
+    over a checkpointed training step (forward and backward, batch 8 x 64 tokens), after
+    a warm-up step; see ``peak_allocated_bytes``."""
+    torch.manual_seed(0)
+    base = Transformer(PEAK_CONFIG)
+    generator = torch.Generator().manual_seed(rank)
+    data = tuple(torch.randint(0, PEAK_CONFIG.vocab_size, (8, PEAK_CONFIG.max_seq_len),
+                               generator=generator) for _ in range(2))
+    models = {name: checkpoint_and_shard(copy.deepcopy(base), fully_shard_fn, order, ac)
+              for name, fully_shard_fn in LIBRARIES}
+    peaks: dict[str, list[int]] = {name: [] for name in models}
+    for repeat in range(4):
+        for name, model in models.items():
+            peak = peak_allocated_bytes(lambda: model.loss(*data).backward(),
+                                        caller_thread_only=True)
+            if repeat:  # the first is the warm-up
+                peaks[name].append(peak)
+            model.zero_grad(set_to_none=True)
+    return {name: min(values) for name, values in peaks.items()}
