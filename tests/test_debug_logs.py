@@ -41,12 +41,16 @@ def test_torch_logs_shows_group_formation_and_decisions(tmp_path: Path) -> None:
         "fully_shard(Linear): group of 2 parameters (72 elements, torch.float32): "
         "weight (8, 8)->(8, 8), bias (8,)->(8,); mesh (1,) (FSDP); "
         "reshard_after_forward=default (True except the root)",
-        # the root, reshard decisions and prefetch order, once the root links the groups
-        "group '' (root): reshard_after_forward=False; forward prefetches ['0']",
-        "group '0': reshard_after_forward=True; forward prefetches ['1']",
-        "group '0' after forward: reshard (backward re-gathers)",
-        "group '' after forward: keep the unsharded parameters for backward",
-        "prefetch: all-gather of group '1' issued early",
+        # a block's own call links only itself, named by its class, not yet by its path
+        "fully_shard(FSDPLinear) links 1 groups below it, itself the root until a "
+        "fully_shard on a parent links them again",
+        # the root, reshard decisions and prefetch order, once the root links the groups,
+        # each group by its path under the root
+        "group <FSDPSequential> (root): reshard_after_forward=False; forward prefetches ['0']",
+        "group 0: reshard_after_forward=True; forward prefetches ['1']",
+        "group 0 after forward: reshard (backward re-gathers)",
+        "group <FSDPSequential> after forward: keep the unsharded parameters for backward",
+        "prefetch: all-gather of group 1 issued early",
         "copy backend for all_gather_copy_in on cpu: inductor (copy_kernels='auto')",
     ):
         assert line in log, f"{line!r} not in the log:\n{log[-4000:]}"

@@ -581,8 +581,8 @@ for _name, _value in vars(TorchFSDPModule).items():
 
 def _log_prefetch(direction: str, group: ParamGroup, targets: list[ParamGroup]) -> None:
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
-        log.debug("%s prefetch of group %r set explicitly: %s", direction, group.name,
-                  [t.name for t in targets])
+        log.debug("%s prefetch of group %s set explicitly: %s", direction, group.log_name,
+                  [t.log_name for t in targets])
 
 
 class _UnshardHandle(UnshardHandle):

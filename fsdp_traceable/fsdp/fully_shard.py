@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_patches
 from ..collectives.shard_info import SUPPORTED_DTYPES
-from . import forward_regions
+from . import autograd_bridge, forward_regions
 from .arguments import (
     ShardingOrderError,
     ShardPlacementResult,
@@ -128,7 +128,7 @@ def fully_shard(
     offload_to_cpu = check_offload_policy(offload_policy)
     ignored = ignored_param_ids(ignored_params)
     owned = _managed_params(modules, ignored)
-    _torch_patches.drop_mesh_hash_from_pickles()  # See [Note: torch patches]
+    _patch_torch()
     partial_reshard = None if isinstance(reshard, bool) or reshard is None else reshard
     params = GroupParams(
         [(fqn, param) for fqn, param, _ in owned], mesh, mp_policy=mp_policy,
@@ -168,6 +168,14 @@ def fully_shard(
 
 # As FSDP2's: fully_shard.state(module) is the module's state (see module_state).
 fully_shard.state = state_of
+
+
+def _patch_torch() -> None:
+    """See [Note: torch patches]: what ``fully_shard`` modules need of torch, applied by
+    every ``fully_shard`` call (again: no change), never by importing the package."""
+    _torch_patches.drop_mesh_hash_from_pickles()
+    autograd_bridge.patch_torch()
+    forward_regions.patch_torch()
 
 
 def _log_group(group: ParamGroup, modules: list[nn.Module], reshard: bool | int | None) -> None:
@@ -304,20 +312,24 @@ def _link_groups(root: FSDPModule) -> None:
                    prefetch_backward=previous.prefetch if previous is not None else None,
                    root_state=root_state, list_groups=list_groups if i == 0 else [])
     if log.isEnabledFor(logging.DEBUG):
-        _log_order(groups, fsdp_modules)
+        _log_order(root, groups, fsdp_modules)
 
 
-def _log_order(groups: list[ParamGroup], fsdp_modules: list[FSDPModule]) -> None:
-    """Debug log: the root, each group's reshard-after-forward and its prefetches."""
+def _log_order(root: FSDPModule, groups: list[ParamGroup], fsdp_modules: list[FSDPModule]
+               ) -> None:
+    """Debug log: the root, each group's reshard-after-forward and its prefetches, groups
+    named by their module path under the root (the root by its class)."""
+    log.debug("fully_shard(%s) links %d groups below it, itself the root until a "
+              "fully_shard on a parent links them again", type(root).__name__, len(groups))
     next_groups = {id(m._fsdp_group): m._fsdp_next_groups for m in fsdp_modules}
     for i, group in enumerate(groups):
         previous = groups[i - 1] if i > 1 else None
         log.debug(
-            "group %r%s: reshard_after_forward=%s; forward prefetches %s; backward "
-            "prefetches %s", group.name, " (root)" if group.settings.is_root else "",
-            group.settings.reshard_after_forward, [g.name for g in next_groups[id(group)]],
+            "group %s%s: reshard_after_forward=%s; forward prefetches %s; backward "
+            "prefetches %s", group.log_name, " (root)" if group.settings.is_root else "",
+            group.settings.reshard_after_forward, [g.log_name for g in next_groups[id(group)]],
             "as set explicitly" if group.settings.explicit_backward_prefetch
-            else [previous.name] if previous is not None else [],
+            else [previous.log_name] if previous is not None else [],
         )
 
 

@@ -73,7 +73,10 @@ class GroupParams:
 
         # One ShardInfo and one sharded DTensor parameter each; TP parameters also a
         # layout (see [Note: TP parameters]).
-        self.fqns = [fqn for fqn, _ in named_params]
+        # Each parameter's path under the group's module, and (once the root's fully_shard
+        # names the group) under the root, as FSDP2 names them in errors and logs.
+        self._local_fqns = [fqn for fqn, _ in named_params]
+        self.fqns = list(self._local_fqns)
         self.infos: list[ShardInfo] = []
         self.tp_layouts: list[TensorParallelLayout | None] = []
         for fqn, param in named_params:
@@ -157,6 +160,12 @@ class GroupParams:
         if self.has_tp_params:
             unsharded = [self.bound_value(i, t) for i, t in enumerate(unsharded)]
         bind_unsharded(self.bindings, unsharded)
+
+    def set_module_path(self, path: str) -> None:
+        """Names the parameters by their path under the root: ``path`` is the group's
+        module path there (``""`` for the root's own group)."""
+        prefix = f"{path}." if path else ""
+        self.fqns = [prefix + fqn for fqn in self._local_fqns]
 
     def binding_index(self, owner: nn.Module, name: str) -> int:
         """The index of the parameter ``owner.<name>``."""

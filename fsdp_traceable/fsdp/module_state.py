@@ -115,8 +115,7 @@ class _GroupView:
 
     @property
     def fsdp_params(self) -> list[_ParamView]:
-        prefix = f"{self._group.name}." if self._group.name else ""
-        return [_ParamView(prefix + fqn) for fqn in self._group.params.fqns]
+        return [_ParamView(fqn) for fqn in self._group.params.fqns]
 
 
 class _StateContext:

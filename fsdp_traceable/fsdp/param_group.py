@@ -82,6 +82,12 @@ class ParamGroup:
         # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
         self._hooks_hidden = False
 
+    @property
+    def log_name(self) -> str:
+        """What debug logs call the group: its module path under the root, the root by
+        its class (``<FSDPTransformer>``)."""
+        return self.name or f"<{type(self.modules[0]).__name__}>"
+
     def modules_to_run_forward(self) -> set[nn.Module]:
         """The group's modules whose forward has not run yet in the current pass."""
         return {m for m in self.modules if id(m) in self._modules_to_run}
@@ -123,6 +129,7 @@ class ParamGroup:
             list_groups: on the root, the ``fully_shard([a, b])`` groups below it.
         """
         self.name = name
+        self.params.set_module_path(name)
         self.settings.configure(is_root=is_root)
         if not self.settings.explicit_backward_prefetch:
             self.settings.configure(prefetch_backward=prefetch_backward)
@@ -224,7 +231,7 @@ class ParamGroup:
             return  # still unsharded from a forward that keeps them, as FSDP2's group
         if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("prefetch: all-gather of group %r issued early", self.name)
+                log.debug("prefetch: all-gather of group %s issued early", self.log_name)
             self._eager.keep_prefetched(self.start_all_gather(), self.params.local_versions())
             if torch._C._current_graph_task_id() != -1:
                 # As FSDP2's finalize_backward: a backward prefetch this backward did not
@@ -478,7 +485,7 @@ class ParamGroup:
                 self.params.unbind()
             return
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("group %r after forward: %s", self.name,
+            log.debug("group %s after forward: %s", self.log_name,
                       "reshard (backward re-gathers)" if self.settings.reshard_after_forward
                       else "keep the unsharded parameters for backward")
         if not self.settings.reshard_after_forward:
@@ -576,7 +583,7 @@ class ParamGroup:
 
     def _end_backward(self) -> None:
         if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
-            log.debug("group %r after backward: %s", self.name,
+            log.debug("group %s after backward: %s", self.log_name,
                       "reshard" if self.settings.reshard_after_backward
                       else "keep the unsharded parameters for the next forward")
         if self.settings.reshard_after_backward:
