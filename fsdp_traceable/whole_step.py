@@ -64,6 +64,36 @@ def _cacheable_functions() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True)
 
 
+# The package's passes over the graph AOTAutograd traces (``_torch_patches``'s wrap of
+# torch's recompute pass runs them): what they do is not in AOTAutograd's cache key,
+# which hashes Dynamo's graph, so a step compiled before a change to them would be
+# served from the cache unchanged.
+_GRAPH_PASS_FILES = ("region_schedule.py", "fx_ops.py",
+                     os.path.join("_torch_patches", "whole_step_recompute.py"))
+
+
+@functools.cache
+def _graph_passes_hash() -> str:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    paths = tuple(os.path.join(package, name) for name in _GRAPH_PASS_FILES)
+    return get_hash_for_files(paths).hex()[:16]
+
+
+def _keyed_by_graph_passes() -> contextlib.AbstractContextManager:
+    """Torch's compile caches (AOTAutograd's and Inductor's, through
+    ``torch.compiler.config.cache_key_tag``, which both hash) keyed by the package's
+    graph passes too, with the user's own tag kept."""
+    config = torch.compiler.config
+    if not hasattr(config, "cache_key_tag"):
+        return contextlib.nullcontext()
+    tag = f"fsdp_traceable-graph-passes-{_graph_passes_hash()}"
+    if config.cache_key_tag:
+        tag = f"{config.cache_key_tag}/{tag}"
+    return config.patch(cache_key_tag=tag)
+
+
 @contextlib.contextmanager
 def _region_errors_name_the_switch() -> Iterator[None]:
     """Turns torch's error for a forward region that returns a view of its input into
@@ -227,6 +257,7 @@ def compile_step(
         stack = contextlib.ExitStack()
         stack.enter_context(torch._dynamo.config.patch(_dynamo_settings()))
         stack.enter_context(_cacheable_functions())
+        stack.enter_context(_keyed_by_graph_passes())
         stack.enter_context(_region_errors_name_the_switch())
         return stack
 
