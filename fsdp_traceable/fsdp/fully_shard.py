@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_patches
 from ..collectives.shard_info import SUPPORTED_DTYPES
-from . import autograd_bridge, forward_regions
+from . import autograd_bridge, forward_regions, stale_optimizers
 from .arguments import (
     ShardingOrderError,
     ShardPlacementResult,
@@ -142,6 +142,7 @@ def fully_shard(
         _log_group(group, modules, reshard)
     for _, param, _ in owned:
         _replaced_params[param] = True
+    stale_optimizers.watch(_replaced_params)
     for sharded in group.params.sharded_params:
         setattr(sharded, _SHARDED_MARK, True)
     owner_names: dict[int, tuple[nn.Module, list[str]]] = {}
