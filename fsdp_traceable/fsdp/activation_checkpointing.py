@@ -23,6 +23,12 @@ gradients still flow through the forward's graph. Two things follow for a group:
   recompute alike, and the checkpoint drops the unsharded parameters with the rest of
   the region's activations; the recompute all-gathers them again. A forward running
   inside a backward also issues no forward prefetch: no next forward follows it.
+- Compiled (``torch.compile``, ``compile_step``), Dynamo traces a checkpointed region as
+  one higher-order op, and a group's forward inside one (a ``fully_shard``-ed module
+  inside a ``checkpoint_wrapper``) changes the group's state, which that op refuses, or,
+  in a whole step, recomputes without it. So such a forward raises when traced: the
+  compiled recipes checkpoint the ``fully_shard``-ed module itself (``checkpoint_wrapper``
+  first, then ``fully_shard``: torchtitan's order).
 - Selective AC (a ``context_fn`` of ``create_selective_checkpoint_contexts``) records
   every op of the region in forward and looks each one up again, in order, in the
   recompute. The group's gathers differ between the two (forward may take a prefetched
@@ -39,6 +45,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
@@ -70,3 +78,26 @@ def outside_selective_checkpoint() -> Iterator[None]:
         while isinstance(_get_current_dispatch_mode(), _SELECTIVE_CHECKPOINT_MODES):
             stack.enter_context(_pop_mode_temporarily())
         yield
+
+
+def inside_checkpoint_wrappers(root: nn.Module, fsdp_module_cls: type) -> list[nn.Module]:
+    """The ``fsdp_module_cls`` modules under ``root`` that sit inside a torch
+    ``checkpoint_wrapper`` (other than the wrapper itself)."""
+    found: dict[int, nn.Module] = {}
+    for wrapper in root.modules():
+        if isinstance(wrapper, CheckpointWrapper):
+            for module in wrapper.modules():
+                if module is not wrapper and isinstance(module, fsdp_module_cls):
+                    found[id(module)] = module
+    return list(found.values())
+
+
+def raise_traced_inside_checkpoint(name: str) -> None:
+    """The error for a group's forward traced inside a checkpointed region."""
+    raise NotImplementedError(
+        f"the fully_shard-ed module {name or '<root>'!r} runs inside a checkpoint_wrapper: "
+        "eagerly that works, but torch.compile and compile_step trace a checkpointed region "
+        "as one op that a group's forward cannot run in. Checkpoint the fully_shard-ed "
+        "module itself instead: checkpoint_wrapper(block), then fully_shard (torchtitan's "
+        "order; see [Note: activation checkpointing])"
+    )

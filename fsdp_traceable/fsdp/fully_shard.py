@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_patches
 from ..collectives.shard_info import SUPPORTED_DTYPES
-from . import autograd_bridge, forward_regions, stale_optimizers
+from . import activation_checkpointing, autograd_bridge, forward_regions, stale_optimizers
 from .arguments import (
     ShardingOrderError,
     ShardPlacementResult,
@@ -303,6 +303,8 @@ def _link_groups(root: FSDPModule) -> None:
         i = position[id(m._fsdp_group)]
         if not m._fsdp_group.settings.explicit_forward_prefetch:
             m._fsdp_next_groups = groups[i + 1 : i + 2]
+    for module in activation_checkpointing.inside_checkpoint_wrappers(root, FSDPModule):
+        module._fsdp_group.configure(inside_checkpoint_wrapper=True)
     root_state = RootState()
     list_groups = [g for g in groups[1:] if len(g.modules) > 1]
     for i, group in enumerate(groups):

@@ -30,6 +30,7 @@ SETTINGS = frozenset({
     "unshard_in_backward", "all_gather_comm", "reduce_scatter_comm",
     "explicit_forward_prefetch", "explicit_backward_prefetch", "prefetch_backward",
     "streams", "is_root", "keep_unsharded_storage", "unshard_async_op",
+    "inside_checkpoint_wrapper",
 })
 
 
@@ -70,6 +71,9 @@ class GroupSettings:
         self.streams = comm.DeviceStreams(torch.device(mesh.device_type))
         # FSDP2's _set_unshard_async_op(True): the copy-in on the current stream.
         self.unshard_async_op = False
+        # Whether the group's module sits inside a torch checkpoint_wrapper (set when the
+        # root links the groups; see [Note: activation checkpointing]).
+        self.inside_checkpoint_wrapper = False
         # Prefetch: whether set explicitly, and what the group's backward prefetches
         # (set when the root links the groups, or by set_modules_to_backward_prefetch).
         self.explicit_forward_prefetch = False

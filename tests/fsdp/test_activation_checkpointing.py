@@ -17,8 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from fsdp_traceable import fully_shard
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp.activation_checkpointing_cases import (
     ORDERS,
@@ -103,3 +106,15 @@ def test_compiled_checkpointed_blocks_within_1e5_of_fsdp2(two_ranks, name):
 def test_checkpointed_step_peak_not_above_fsdp2(two_ranks, name):
     for peaks in _results(two_ranks, name):
         assert peaks["ours"] <= peaks["theirs"], peaks
+
+
+def test_compiled_forward_of_a_sharded_module_inside_a_checkpoint_wrapper_raises(fake_mesh):
+    """Eagerly it trains (above); traced, it raises naming the fix instead of computing
+    without the group's life cycle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0] = checkpoint_wrapper(fully_shard(model[0], mesh=fake_mesh))
+    fully_shard(model, mesh=fake_mesh)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="runs inside a checkpoint_wrapper.*torchtitan's order"):
+        torch.compile(model, backend="eager", fullgraph=True)(torch.randn(2, 4))
