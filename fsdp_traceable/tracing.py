@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -27,6 +27,18 @@ def is_tracing(tensors: Sequence[torch.Tensor] = ()) -> bool:
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
         return True
     return any(is_fake(t) or isinstance(t, FunctionalTensor) for t in tensors)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def constant_result(fn: _F) -> _F:
+    """``torch._dynamo.assume_constant_result(fn)`` without importing Dynamo (about a
+    second, and Inductor and Triton with it): that decorator only marks ``fn``, and
+    Dynamo reads the mark when it traces a call (``tests/test_import_side_effects.py``
+    checks both mark alike)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def _reuse_by_key() -> bool:

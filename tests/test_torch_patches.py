@@ -22,7 +22,7 @@ from torch._inductor.codecache import FxGraphCachePickler
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import fsdp_traceable  # (its import applies the import-time patches)
+import fsdp_traceable
 from fsdp_traceable import _torch_patches
 from fsdp_traceable.inspect.capture import InductorCapture
 from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
@@ -115,7 +115,7 @@ def test_fx_graph_cache_key_does_not_depend_on_the_hash_a_process_drew() -> None
         assert len(keys) == 1
 
 
-# -- torch's context_fn warning is dropped ---------------------------------------------
+# -- torch's context_fn warning, not logged for the package's own region ---------------
 
 class _Keep(logging.Handler):
     def __init__(self) -> None:
@@ -126,31 +126,56 @@ class _Keep(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_torch_still_logs_the_context_fn_warning() -> None:
-    # Logged once per process through warning_once, so read from the source: the
-    # message and the logger it goes to.
+def test_torch_still_logs_the_context_fn_warning_once_per_process() -> None:
+    # Logged once per process through a cached warning_once (so a logging filter that
+    # dropped the package's record would use up a user's warning too), so read from the
+    # source: the message, the logger, the function that logs it and its caller.
     module = torch._higher_order_ops.wrap
     assert module.__name__ == _torch_patches.CONTEXT_FN_WARNING_LOGGER
     assert module.log.name == _torch_patches.CONTEXT_FN_WARNING_LOGGER
-    assert _torch_patches.CONTEXT_FN_WARNING in inspect.getsource(module)
+    assert _torch_patches.CONTEXT_FN_WARNING in inspect.getsource(module.tag_activation_checkpoint_impl)
+    assert "warning_once" in module.tag_activation_checkpoint_impl.__code__.co_names
+    assert "gmod" in inspect.signature(module.tag_activation_checkpoint_impl).parameters
+    torch_warning_once = module.warning_once
+    if getattr(torch_warning_once, "_fsdp_traceable_skips_quiet", False):
+        torch_warning_once = torch_warning_once.__wrapped__
+    assert hasattr(torch_warning_once, "cache_info")  # functools.cache
 
 
-def test_only_the_context_fn_warning_is_dropped() -> None:
+def _log_from_a_checkpoint_trace(gmod: fx.GraphModule, message: str) -> None:
+    """Logs ``message`` as ``tag_activation_checkpoint_impl(gmod, ...)`` does."""
+    torch._higher_order_ops.wrap.warning_once(torch._higher_order_ops.wrap.log, message)
+
+
+def test_context_fn_warning_skipped_for_marked_regions_only() -> None:
+    module = torch._higher_order_ops.wrap
     assert _torch_patches.drop_context_fn_warning()
-    log = logging.getLogger(_torch_patches.CONTEXT_FN_WARNING_LOGGER)
-    filters = list(log.filters)
-    assert _torch_patches.drop_context_fn_warning()  # again: one filter
-    assert log.filters == filters
+    patched = module.warning_once
+    assert _torch_patches.drop_context_fn_warning()  # again: no change
+    assert module.warning_once is patched
+
+    @_torch_patches.quiet_context_fn
+    def ours() -> None: ...
+
+    def users() -> None: ...
+
+    quiet, loud = (fx.GraphModule(torch.nn.Module(), fx.Graph()) for _ in range(2))
+    quiet.meta["_checkpoint_context_fn"] = ours
+    loud.meta["_checkpoint_context_fn"] = users
+    # Messages of this test's own (torch's is logged once per process: not used up here).
     handler = _Keep()
-    log.addHandler(handler)
+    module.log.addHandler(handler)
     try:
-        log.warning("\nDetected that context_fn is passed to torch.utils.checkpoint under "
-                    "torch.compile.\nPlease make sure the checkpointed region does not "
-                    "contain in-place ops (e.g. torch.relu_).\n")
-        log.warning("another warning")
+        _log_from_a_checkpoint_trace(quiet, "fsdp_traceable test: a marked region")
+        _log_from_a_checkpoint_trace(loud, "fsdp_traceable test: a user's region")
+        module.warning_once(module.log, "fsdp_traceable test: no region")
+        _log_from_a_checkpoint_trace(quiet, "fsdp_traceable test: a marked region")
+        _log_from_a_checkpoint_trace(loud, "fsdp_traceable test: a user's region")  # once
     finally:
-        log.removeHandler(handler)
-    assert handler.messages == ["another warning"]
+        module.log.removeHandler(handler)
+    assert handler.messages == ["fsdp_traceable test: a user's region",
+                                "fsdp_traceable test: no region"]
+    # A user's region compiled after the package's: tests/test_import_side_effects.py.
 
 
 # -- compiled autograd reads AOT backwards through a rewrite ---------------------------
@@ -377,13 +402,14 @@ def _unlinked_block_grads(monkeypatch) -> list[bool]:
     its parameters got gradients."""
     from torch._dynamo.variables import invoke_subgraph as dynamo_invoke_subgraph
 
-    assert _torch_patches.link_stamped_out_regions()
-    patched = dynamo_invoke_subgraph.stamp_out_subgraph
-    monkeypatch.setattr(dynamo_invoke_subgraph, "stamp_out_subgraph", patched.__wrapped__)
     with fake_process_group(2), fsdp_traceable.config.patch(forward_regions=True):
         torch.manual_seed(0)
         model = shard_transformer(Transformer(TransformerConfig(n_layers=2, dim=16)),
                                   fsdp_traceable.fully_shard)
+        # Unpatched after fully_shard, which applies the patch.
+        assert _torch_patches.link_stamped_out_regions()
+        patched = dynamo_invoke_subgraph.stamp_out_subgraph
+        monkeypatch.setattr(dynamo_invoke_subgraph, "stamp_out_subgraph", patched.__wrapped__)
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             loss = model.loss(tokens, tokens)

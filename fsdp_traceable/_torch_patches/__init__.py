@@ -12,19 +12,21 @@ where torch lacks what it patches, nothing is changed and the function returns
 test in ``tests/test_torch_patches.py`` that checks the unpatched behaviour is still
 a problem, so that test fails, and says the patch can go, once torch fixes it.
 
-Where they are applied (unchanged from before they moved here):
+Importing ``fsdp_traceable`` applies none of them (``tests/test_import_side_effects.py``
+compares torch before and after the import in a fresh process), nor imports Dynamo,
+Inductor or Triton: each is applied by the package's own entry point that needs it.
 
-* :func:`skip_dtensor_unflatten_frames`, :func:`drop_context_fn_warning`,
-  :func:`shard_uneven_new_empty_strided`, :func:`trust_fresh_outputs`: on import of
-  ``fsdp_traceable`` (``fsdp/autograd_bridge.py``, whose autograd boundary, recompute
-  region and sharded gradients meet them).
-* :func:`drop_mesh_hash_from_pickles`: on every ``fully_shard`` call.
+* :func:`drop_mesh_hash_from_pickles`, :func:`skip_dtensor_unflatten_frames`,
+  :func:`drop_context_fn_warning`, :func:`shard_uneven_new_empty_strided`,
+  :func:`trust_fresh_outputs`, and where torch's regions take a reuse key,
+  :func:`link_stamped_out_regions`, :func:`memoize_region_schemas`: on every
+  ``fully_shard`` call (``fsdp/fully_shard._patch_torch``: the autograd boundary's,
+  ``fsdp/autograd_bridge.patch_torch``, and the forward region's,
+  ``fsdp/forward_regions.patch_torch``).
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
 * :func:`trace_backward_into_subclasses`, :func:`complete_whole_step_recompute`: by
   :func:`fsdp_traceable.compile_step`.
-* :func:`link_stamped_out_regions`, :func:`memoize_region_schemas`: when the forward
-  region is made (``fsdp/forward_regions.region_of``).
 * :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved
   step's CPU ISA probe outcome is taken (``cpu_isa_probe.trust_saved_probe``).
 * :func:`skip_header_precompile_on_load`: by :func:`header_precompile_skipped`, while
@@ -35,11 +37,14 @@ No module outside this package may assign to, wrap or filter anything of torch's
 
 from __future__ import annotations
 
+from typing import Any
+
 from .autograd_function import fresh_outputs, trust_fresh_outputs
 from .checkpoint_warning import (
     CONTEXT_FN_WARNING,
     CONTEXT_FN_WARNING_LOGGER,
     drop_context_fn_warning,
+    quiet_context_fn,
 )
 from .compiled_autograd import extract_bw_module_exists, rewrite_aot_backwards
 from .cpu_vec_isa import answer_isa_load_checks, isa_load_checks_answered
@@ -52,7 +57,19 @@ from .traced_backward import (
     subclass_patch_needed,
     trace_backward_into_subclasses,
 )
-from .whole_step_recompute import REMAT_PASS_MODULE, complete_whole_step_recompute
+
+# Read from .whole_step_recompute on first use: it imports Inductor (through
+# ..region_schedule), which importing this package must not.
+_LAZY = {"REMAT_PASS_MODULE", "complete_whole_step_recompute"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import whole_step_recompute
+
+        return getattr(whole_step_recompute, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONTEXT_FN_WARNING",
@@ -69,6 +86,7 @@ __all__ = [
     "isa_load_checks_answered",
     "link_stamped_out_regions",
     "memoize_region_schemas",
+    "quiet_context_fn",
     "rewrite_aot_backwards",
     "shard_uneven_new_empty_strided",
     "skip_header_precompile_on_load",

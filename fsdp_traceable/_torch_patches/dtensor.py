@@ -7,7 +7,6 @@ import functools
 from typing import Any
 
 import torch
-import torch._dynamo.eval_frame
 from torch.distributed.tensor import DTensor, Shard
 
 # The patches applied so far in this process (torch's state is process-wide).
@@ -32,6 +31,8 @@ def skip_dtensor_unflatten_frames() -> bool:
     Returns:
         Whether the frame is skipped (``False`` where torch has no ``skip_code``).
     """
+    import torch._dynamo.eval_frame  # not on import: Dynamo takes about a second
+
     skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
     if skip_code is None:
         return False

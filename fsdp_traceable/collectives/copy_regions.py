@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tracing import keyed_region
+from ..tracing import constant_result, keyed_region
 from . import copy_backends
 from .bucket_layout import BucketLayout
 
@@ -28,14 +28,14 @@ _signature_ids: dict[tuple, int] = {}
 _signatures: dict[int, tuple] = {}
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _key_id(signature: tuple) -> int:
     key = _signature_ids.setdefault(signature, len(_signature_ids))
     _signatures[key] = signature
     return key
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _signature(key: int) -> tuple:
     return _signatures[key]
 

@@ -15,8 +15,6 @@ that compute them (several copy kernels per group, each gradient freed early).
 
 from __future__ import annotations
 
-from ..region_schedule import CompiledAutogradOverlap
-
 __all__ = ["OVERLAP_PASSES", "SINK_WAITS_ONLY", "inductor_options"]
 
 # Inductor's passes that move collectives for overlap, in the order they run.
@@ -81,6 +79,9 @@ def inductor_options(
         options["reorder_for_compute_comm_overlap_passes"] = list(
             OVERLAP_PASSES if raise_collectives else SINK_WAITS_ONLY)
         if raise_collectives:
+            # Not on import: a CustomGraphPass imports Inductor (and Dynamo, Triton).
+            from ..region_schedule import CompiledAutogradOverlap
+
             options["post_grad_custom_post_pass"] = CompiledAutogradOverlap()
     if group_copy_kernels:
         options["reorder_for_peak_memory"] = False

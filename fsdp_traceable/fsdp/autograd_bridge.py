@@ -20,14 +20,17 @@ if TYPE_CHECKING:
     from .group_params import GroupParams
     from .group_settings import GroupSettings
 
-# See [Note: torch patches]: the sharded gradients a compiled backward returns are
-# wrapped back into DTensors in a frame Dynamo must not compile on its own, the
-# recompute region below makes torch log a warning that does not apply to it, and
-# Dynamo need not compare the all-gather's outputs with its inputs.
-_torch_patches.skip_dtensor_unflatten_frames()
-_torch_patches.drop_context_fn_warning()
-_torch_patches.shard_uneven_new_empty_strided()
-_torch_patches.trust_fresh_outputs()
+
+def patch_torch() -> None:
+    """See [Note: torch patches]: the sharded gradients a compiled backward returns are
+    wrapped back into DTensors in a frame Dynamo must not compile on its own, the
+    recompute region below makes torch log a warning that does not apply to it, and
+    Dynamo need not compare the all-gather's outputs with its inputs. Applied by every
+    ``fully_shard`` call (again: no change), never on import."""
+    _torch_patches.skip_dtensor_unflatten_frames()
+    _torch_patches.drop_context_fn_warning()
+    _torch_patches.shard_uneven_new_empty_strided()
+    _torch_patches.trust_fresh_outputs()
 
 
 class UnshardingGroup(Protocol):
@@ -137,6 +140,7 @@ def _recompute_all_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
+@_torch_patches.quiet_context_fn  # copy-in, all-gather, copy-out: no in-place op
 def _recompute_all_gather_context():
     return create_selective_checkpoint_contexts(_recompute_all_gather_policy)
 

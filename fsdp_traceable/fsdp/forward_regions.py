@@ -48,10 +48,10 @@ import torch
 import torch.nn as nn
 
 from .. import _torch_patches
-from ..tracing import forward_regions_in_use, keyed_region, regions_available
+from ..tracing import constant_result, forward_regions_in_use, keyed_region, regions_available
 
-__all__ = ["call_key", "forward_regions_in_use", "region_of", "regions_available",
-           "register"]
+__all__ = ["call_key", "forward_regions_in_use", "patch_torch", "region_of",
+           "regions_available", "register"]
 
 _CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
@@ -110,7 +110,7 @@ def _module_key(module: nn.Module) -> tuple:
     return tuple(parts)
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def structure_key(module_id: int) -> int | None:
     """A small int naming the structure of the module tree under the registered
     ``fully_shard`` module ``module_id``, or ``None`` when its forward must not run
@@ -125,7 +125,7 @@ def structure_key(module_id: int) -> int | None:
     return _structure_ids.setdefault(tuple(parts), len(_structure_ids))
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _unsharded_key(module_id: int, grad_enabled: bool) -> tuple | None:
     """The layout of the unsharded parameters the registered ``fully_shard`` module
     ``module_id`` gathers, from its sharded parameters (``GroupParams.unsharded_layout_key``):
@@ -134,7 +134,7 @@ def _unsharded_key(module_id: int, grad_enabled: bool) -> tuple | None:
     return _fsdp_modules[module_id]._fsdp_group.params.unsharded_layout_key(grad_enabled)
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _key_id(signature: tuple, unsharded_count: int, arguments_layout: tuple) -> int:
     key = _call_ids.setdefault(signature, len(_call_ids))
     _call_layouts[key] = (unsharded_count, arguments_layout)
@@ -178,7 +178,7 @@ def call_key(module: nn.Module, unsharded: tuple[torch.Tensor, ...], args: tuple
 _call_layouts: dict[int, tuple[int, tuple]] = {}
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _recorded_call_layout(key: int) -> tuple[int, tuple]:
     return _call_layouts[key]
 
@@ -222,7 +222,7 @@ def _layout(value: Any, inputs: list[torch.Tensor], returned: list[torch.Tensor]
     return ("unsupported", None)
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _record_output_layout(key: int, layout: tuple, unsupported: tuple[str, ...]) -> int:
     """Runs in Python while Dynamo traces a region's body: keeps its output layout, or
     raises for the first type in ``unsupported``."""
@@ -239,7 +239,7 @@ def _record_output_layout(key: int, layout: tuple, unsupported: tuple[str, ...])
     return key
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _recorded_output_layout(key: int) -> tuple:
     return _output_layouts[key]
 
@@ -259,16 +259,23 @@ def _rebuild(layout: tuple, returned: tuple[torch.Tensor, ...], inputs: list[tor
     return tuple(items) if kind == "tuple" else items
 
 
+def patch_torch() -> None:
+    """See [Note: torch patches]: reused region calls' outputs connected to their
+    inputs, and each call's schema built once, not by tracing the region again; where
+    torch's regions take a reuse key (:func:`regions_available`). Applied by every
+    ``fully_shard`` call (again: no change)."""
+    if regions_available():
+        _torch_patches.link_stamped_out_regions()
+        _torch_patches.memoize_region_schemas()
+
+
 def region_of(body: Callable[[nn.Module, tuple[torch.Tensor, ...], tuple, dict], Any]
               ) -> Callable[..., Any]:
     """``body(module, unsharded, args, kwargs)`` (which binds ``unsharded``, runs the
     module's forward and unbinds) as the shared region, called as
     ``region(call_key(module, unsharded, args, kwargs), module)``: calls with equal keys
-    share one trace."""
-    # See [Note: torch patches]: reused calls' outputs connected to their inputs, and
-    # each call's schema built once, not by tracing the region again.
-    _torch_patches.link_stamped_out_regions()
-    _torch_patches.memoize_region_schemas()
+    share one trace. Changes nothing of torch: a ``fully_shard`` call applies the
+    patches the region needs (:func:`patch_torch`)."""
 
     def run_bound(key: int, module: nn.Module, *inputs: torch.Tensor
                   ) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,211 @@
+"""``import fsdp_traceable`` changes nothing of torch, imports no compiler, and leaves a
+user's own torch warnings alone.
+
+Each check runs in a fresh interpreter (``python -c``, started outside the repository
+so the ``fsdp_traceable`` under test is the one installed or on ``PYTHONPATH``): what
+torch looks like before and after the import, compared. The patches of
+``fsdp_traceable._torch_patches`` are applied by the package's own entry points
+(``fully_shard``, ``compile_step``, a saved step's load; see [Note: torch patches]).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_traceable import _torch_patches
+
+
+def _run(code: str, cwd: Path) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+# What the subprocess snapshots: every place a patch of the package writes to, and the
+# process-wide registries a library could add to (Dynamo's frame strategies and
+# compile callbacks, trace rules, the configs, torch's loggers, the dispatcher).
+_SNAPSHOT = """
+import copy, importlib, json, logging, sys
+import torch
+import torch._dynamo, torch._dynamo.eval_frame, torch._dynamo.trace_rules
+import torch._dynamo.callback
+import torch._inductor.config, torch._functorch.config
+from torch.distributed.tensor import DTensor
+
+PATCHED = [  # (module, class or None, attribute): what _torch_patches replaces
+    ("torch._functorch.autograd_function", "DynamoAutogradFunctionTraceHelper", "fwd_trace_helper"),
+    ("torch._higher_order_ops.wrap", None, "warning_once"),
+    ("torch._higher_order_ops.invoke_subgraph", "InvokeSubgraphHOP", "gen_schema"),
+    ("torch._dynamo.variables.invoke_subgraph", None, "stamp_out_subgraph"),
+    ("torch._dynamo.compiled_autograd", None, "extract_bw_module"),
+    ("torch._dynamo.variables.torch", None, "_collect_tensors_with_sources"),
+    ("torch.distributed.device_mesh", "DeviceMesh", "__getstate__"),
+    ("torch._inductor.cpu_vec_isa", "VecISA", "_probe_load"),
+    ("torch._inductor.codecache", None, "_precompile_header"),
+    ("%(remat)s", None, "remat_using_tags_for_fwd_loss_bwd_graph"),
+]
+
+def patched():
+    found = {}
+    for module_name, class_name, name in PATCHED:
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if class_name is not None:
+            owner = getattr(owner, class_name)
+        found[f"{module_name}.{class_name}.{name}"] = vars(owner).get(name)
+    op = torch.ops.aten.new_empty_strided.default
+    found["new_empty_strided strategy"] = (
+        DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs.get(op))
+    return found
+
+# Every frame strategy Dynamo is told to take (skip_code and friends).
+strategies = []
+_set_strategy = torch._dynamo.eval_frame.set_code_exec_strategy
+def record_strategy(code, strategy):
+    strategies.append(code.co_qualname)
+    return _set_strategy(code, strategy)
+torch._dynamo.eval_frame.set_code_exec_strategy = record_strategy
+
+def containers(module):
+    return {name: copy.copy(value) for name, value in vars(module).items()
+            if isinstance(value, (set, frozenset, dict, list, tuple))
+            and not name.startswith("__")}
+
+def loggers():
+    manager = logging.Logger.manager
+    names = [name for name in manager.loggerDict if name == "torch" or name.startswith("torch.")]
+    states = {}
+    for name in ["", *names]:
+        logger = logging.getLogger(name)
+        if isinstance(logger, logging.Logger):
+            states[name] = (logger.level, logger.propagate, logger.disabled,
+                            tuple(logger.filters), tuple(logger.handlers))
+    return states
+
+def snapshot():
+    handler = torch._dynamo.callback.callback_handler
+    return {
+        "patched": patched(),
+        "trace_rules": containers(torch._dynamo.trace_rules),
+        "dynamo config": torch._dynamo.config.get_config_copy(),
+        "inductor config": torch._inductor.config.get_config_copy(),
+        "functorch config": torch._functorch.config.get_config_copy(),
+        "compile callbacks": (tuple(handler.start_callbacks), tuple(handler.end_callbacks)),
+        "loggers": loggers(),
+        "log registry": containers(torch._logging._internal.log_registry),
+        "ops": {name for name in torch._C._dispatch_get_all_op_names()
+                if not name.startswith("fsdp_traceable::")},
+        "frame strategies": list(strategies),
+    }
+
+before = snapshot()
+import fsdp_traceable
+after = snapshot()
+changed = {kind: sorted(repr(key) for key in set(before[kind]) | set(after[kind])
+                        if before[kind].get(key) != after[kind].get(key))
+                 if isinstance(before[kind], dict) else before[kind] != after[kind]
+           for kind in before}
+print(json.dumps({kind: diff for kind, diff in changed.items() if diff}))
+"""
+
+
+def test_import_changes_nothing_of_torch(tmp_path: Path) -> None:
+    changed = json.loads(_run(_SNAPSHOT % {"remat": _torch_patches.REMAT_PASS_MODULE}, tmp_path))
+    assert changed == {}
+
+
+def test_import_loads_no_compiler_and_registers_the_ops(tmp_path: Path) -> None:
+    out = _run("""
+        import json, sys
+        import torch.distributed.fsdp
+        heavy = ("torch._dynamo", "torch._inductor", "triton")
+        before = [name for name in heavy if name in sys.modules]
+        import fsdp_traceable
+        import torch
+        ops = [hasattr(torch.ops.fsdp_traceable, name) for name in (
+            "all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in",
+            "reduce_scatter_view_out")]
+        print(json.dumps([before, [name for name in heavy if name in sys.modules], ops]))
+    """, tmp_path)
+    before, after, ops = json.loads(out)
+    assert before == [] and after == []
+    assert all(ops)
+
+
+_SAC_WARNING = """
+import json, logging, torch, torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+import fsdp_traceable
+from fsdp_traceable._torch_patches import checkpoint_warning
+from fsdp_traceable.testing.fake_world import fake_process_group
+
+messages = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger(checkpoint_warning.CONTEXT_FN_WARNING_LOGGER).addHandler(Keep(logging.WARNING))
+
+# Which checkpointed regions' warnings the patch saw (it reads each through this).
+seen = []
+context_fn_of = checkpoint_warning._checkpointed_context_fn
+def recorded(frame):
+    seen.append(getattr(context_fn_of(frame), "__name__", None))
+    return context_fn_of(frame)
+checkpoint_warning._checkpointed_context_fn = recorded
+
+with fake_process_group(2):  # ours: compiled reshard-after-forward, a recompute region
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    for module in (model[0], model[2], model):
+        fsdp_traceable.fully_shard(module)
+    torch.compile(model, backend="aot_eager")(torch.randn(4, 8)).sum().backward()
+ours = (sorted(set(seen)), list(messages))
+
+def policy(ctx, op, *args, **kwargs):  # a user's own selective checkpoint
+    if op is torch.ops.aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+def context_fn():
+    return create_selective_checkpoint_contexts(policy)
+def block(x, weight):
+    return checkpoint(lambda x: torch.relu(x @ weight).sin(), x, use_reentrant=False,
+                      context_fn=context_fn)
+weight = torch.randn(8, 8, requires_grad=True)
+torch.compile(block, backend="aot_eager")(torch.randn(4, 8), weight).sum().backward()
+print(json.dumps([ours, messages]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
+                    reason="needs a torch that compiles selective checkpoints (2.11+)")
+def test_users_own_selective_checkpoint_still_warns_after_ours_compiled(tmp_path: Path) -> None:
+    (seen_ours, logged_ours), logged = json.loads(_run(_SAC_WARNING, tmp_path))
+    # Our recompute region reached torch's warning, which the patch kept quiet ...
+    assert seen_ours == ["_recompute_all_gather_context"]
+    assert logged_ours == []
+    # ... and a user's selective checkpoint, compiled next in the same process, warns.
+    assert len(logged) == 1 and _torch_patches.CONTEXT_FN_WARNING in logged[0]
+
+
+def test_constant_result_marks_as_dynamo_does() -> None:
+    from fsdp_traceable.tracing import constant_result
+
+    def ours() -> int:
+        return 1
+
+    def dynamos() -> int:
+        return 1
+
+    torch._dynamo.assume_constant_result(dynamos)
+    constant_result(ours)
+    assert vars(ours) == vars(dynamos) != {}
