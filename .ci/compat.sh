@@ -25,8 +25,9 @@ DEFAULT_VERSIONS=(2.11.0 2.15.0)
 # FSDP2 (what the schedules call changes between releases: 2.15's finalize backward
 # through manual backward finalization), and that finalization, the reset after a
 # failed backward and kept unsharded storage against FSDP2 (skipped before 2.15,
-# whose FSDP2 lacks them). The main job runs the rest
-# on the pinned torch.
+# whose FSDP2 lacks them), activation checkpointing against FSDP2 (it reads torch's
+# checkpoint internals: its saved-tensor hooks and selective AC's dispatch modes) and the
+# module state FSDP2's users read. The main job runs the rest on the pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
 # sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
@@ -52,6 +53,8 @@ SUBSET=(
   compile_tests/test_traced_optimizer.py
   tests/fsdp/features/test_pipeline_parallel.py
   tests/fsdp/test_backward_finalization.py
+  tests/fsdp/test_activation_checkpointing.py
+  tests/fsdp/test_module_state.py
 )
 
 # The registry's triton-kernels and ours, imported side by side from outside the clone.
