@@ -46,6 +46,8 @@ from torch.optim import optimizer as optimizer_module
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
+from .fsdp import stale_optimizers
+
 __all__ = ["TracedOptimizer"]
 
 log = logging.getLogger(__name__)
@@ -138,9 +140,12 @@ class TracedOptimizer:
 
     def _check_settings(self) -> None:
         optimizer = self.optimizer
+        # fully_shard's check of optimizers built before it is run here, not as a hook.
+        stale_optimizers.check(optimizer)
+        global_pre_hooks = [hook for hook in optimizer_module._global_optimizer_pre_hooks.values()
+                            if not stale_optimizers.is_stale_check(hook)]
         hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
-                 optimizer_module._global_optimizer_pre_hooks,
-                 optimizer_module._global_optimizer_post_hooks)
+                 global_pre_hooks, optimizer_module._global_optimizer_post_hooks)
         if any(hooks):
             raise ValueError(
                 "compile_step(optimizer=...): the optimizer has step pre/post hooks, which "

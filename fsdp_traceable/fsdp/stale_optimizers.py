@@ -31,8 +31,16 @@ def watch(replaced: Mapping[torch.nn.Parameter, object]) -> None:
         register_optimizer_step_pre_hook(_check_first_step)
 
 
-def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer in _checked:
+def is_stale_check(hook: object) -> bool:
+    """Whether ``hook`` (a global optimizer step pre-hook) is this module's check, which
+    code that runs an optimizer's update without ``step()`` calls itself (:func:`check`)."""
+    return hook is _check_first_step
+
+
+def check(optimizer: torch.optim.Optimizer) -> None:
+    """Raises if ``optimizer`` holds a parameter ``fully_shard`` replaced (once per
+    optimizer)."""
+    if _replaced is None or optimizer in _checked:
         return
     _checked.add(optimizer)
     stale = sum(1 for group in optimizer.param_groups for param in group["params"]
@@ -43,3 +51,7 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
             "with sharded ones: it was built before fully_shard, so its steps would not change "
             "the model. Build the optimizer after fully_shard, from model.parameters()"
         )
+
+
+def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    check(optimizer)

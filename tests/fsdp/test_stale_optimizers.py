@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_traceable import fully_shard
+from fsdp_traceable.traced_optimizer import TracedOptimizer
 
 
 def test_optimizer_built_before_fully_shard_raises_at_its_first_step(fake_mesh):
@@ -29,3 +30,14 @@ def test_optimizer_built_before_fully_shard_raises_at_its_first_step(fake_mesh):
     for optimizer in (fresh, other, fresh):
         optimizer.step()
     assert not torch.equal(unrelated.weight, before)
+
+
+def test_whole_step_optimizer_is_checked_too(fake_mesh):
+    """``compile_step(optimizer=...)`` runs the update without ``step()``: its traced
+    optimizer makes the same check, and does not take the check for a user's hook."""
+    model = nn.Linear(4, 4)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    fully_shard(model, mesh=fake_mesh)
+    with pytest.raises(RuntimeError, match="built before fully_shard"):
+        TracedOptimizer(stale)
+    TracedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
