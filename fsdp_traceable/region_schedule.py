@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -81,6 +82,27 @@ def _view_chain(output: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     return (node, chain[::-1]) if node.op == "placeholder" else None
 
 
+def _outputs_of_region_inputs(gm: fx.GraphModule, node: fx.Node
+                              ) -> Iterator[tuple[fx.Node, fx.Node, list[fx.Node]]]:
+    """For each output of the region call ``node`` that is one of its own inputs, or a
+    chain of views of one: the ``getitem`` reading it, the input's node outside the
+    region, and the views (region nodes, outermost last)."""
+    region = getattr(gm, node.args[0].target)
+    placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+    outputs = next(n for n in region.graph.nodes if n.op == "output").args[0]
+    operands = node.args[2:]
+    for user in list(node.users):
+        if user.target is not operator.getitem:
+            continue
+        chain = _view_chain(outputs[user.args[1]])
+        if chain is None:
+            continue
+        placeholder, views = chain
+        value = operands[placeholders.index(placeholder)]
+        if isinstance(value, fx.Node):
+            yield user, value, views
+
+
 def reroute_region_inputs_to_backward(gm: fx.GraphModule) -> int:
     """Backward reads a forward region's recomputed inputs from the inputs themselves;
     returns how many backward reads it rerouted.
@@ -99,20 +121,9 @@ def reroute_region_inputs_to_backward(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if not _is_region_call(node) or node.meta.get("autograd_backward"):
             continue
-        region = getattr(gm, node.args[0].target)
-        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-        outputs = next(n for n in region.graph.nodes if n.op == "output").args[0]
-        operands = node.args[2:]
-        for user in list(node.users):
-            if user.target is not operator.getitem:
-                continue
-            chain = _view_chain(outputs[user.args[1]])
+        for user, value, views in _outputs_of_region_inputs(gm, node):
             backward_users = [u for u in user.users if u.meta.get("autograd_backward")]
-            if chain is None or not backward_users:
-                continue
-            placeholder, views = chain
-            value = operands[placeholders.index(placeholder)]
-            if not isinstance(value, fx.Node) or not must_recompute(value):
+            if not backward_users or not must_recompute(value):
                 continue
             with gm.graph.inserting_before(node):
                 for view in views:
@@ -155,19 +166,8 @@ def read_passed_through_inputs_outside_regions(gm: fx.GraphModule) -> int:
         if (node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph
                 or node.args[0].op != "get_attr"):
             continue
-        region = getattr(gm, node.args[0].target)
-        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-        outputs = next(n for n in region.graph.nodes if n.op == "output").args[0]
-        operands = node.args[2:]
-        for user in list(node.users):
-            if user.target is not operator.getitem or not user.users:
-                continue
-            chain = _view_chain(outputs[user.args[1]])
-            if chain is None:
-                continue
-            placeholder, views = chain
-            value = operands[placeholders.index(placeholder)]
-            if not isinstance(value, fx.Node):
+        for user, value, views in _outputs_of_region_inputs(gm, node):
+            if not user.users:
                 continue
             with gm.graph.inserting_before(node):
                 for view in views:
