@@ -155,6 +155,7 @@ def reroute_region_inputs_to_backward(gm: fx.GraphModule) -> int:
 # reused before the backward. Each read of such an output reads the input instead
 # (through the same views, outside the region): the input's buffer then lives to its
 # last read, and the output, read by nothing, is dropped.
+# docs/repros/invoke_subgraph_saved_input.py shows the torch behaviour without this package.
 
 
 def read_passed_through_inputs_outside_regions(gm: fx.GraphModule) -> int:
