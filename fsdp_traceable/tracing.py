@@ -1,4 +1,5 @@
-"""The one answer to "is this code being traced right now?".
+"""The one answer to "is this code being traced right now?" (and to "is an eager
+backward running?", which the eager paths ask).
 
 The collectives take functional collectives and the copies take traceable kernels
 while Dynamo, compiled autograd, AOTAutograd or ``make_fx`` trace them, and their
@@ -30,6 +31,11 @@ def is_tracing(tensors: Sequence[torch.Tensor] = ()) -> bool:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def in_backward() -> bool:
+    """Whether an eager autograd backward is running on this thread (its graph task)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def constant_result(fn: _F) -> _F:

@@ -58,11 +58,6 @@ _SELECTIVE_CHECKPOINT_MODES = tuple(
 )
 
 
-def in_backward() -> bool:
-    """Whether an eager autograd backward is running on this thread."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def in_checkpointed_region() -> bool:
     """Whether the innermost saved-tensor hooks are a non-reentrant checkpoint's (its
     forward's or its recompute's)."""

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from ..tracing import in_backward
 from .finalization_state import BackwardFinalization
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def finalize(root_group: ParamGroup, groups: list[ParamGroup], async_op: bool
             "FSDP finalize_backward requires manual backward finalization. Call "
             "set_manual_backward_finalization(True) before forward"
         )
-    if torch._C._current_graph_task_id() != -1:
+    if in_backward():
         raise RuntimeError("FSDP finalize_backward must be called after backward completes")
     for group in groups:
         if group.has_partial_reduce_output:

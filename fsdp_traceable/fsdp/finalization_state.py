@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..tracing import in_backward
+
 if TYPE_CHECKING:
     from .reduce_queue import ReduceQueue
 
@@ -31,7 +33,7 @@ class BackwardFinalization:
 
     def set_manual(self, enabled: bool) -> None:
         """``set_manual_backward_finalization`` on the root, with FSDP2's checks."""
-        if enabled != self.manual and torch._C._current_graph_task_id() != -1:
+        if enabled != self.manual and in_backward():
             raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
         if self.active is not None and enabled != self.active:
             raise RuntimeError(

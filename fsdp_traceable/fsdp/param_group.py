@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..collectives import comm
 from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import labelled, phase
+from ..tracing import in_backward
 from . import activation_checkpointing, group_all_gather, post_accumulate_hooks
 from .autograd_bridge import unshard_params
 from .eager_state import EagerState
@@ -233,7 +234,7 @@ class ParamGroup:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("prefetch: all-gather of group %s issued early", self.log_name)
             self._eager.keep_prefetched(self.start_all_gather(), self.params.local_versions())
-            if torch._C._current_graph_task_id() != -1:
+            if in_backward():
                 # As FSDP2's finalize_backward: a backward prefetch this backward did not
                 # use (its module's backward read no parameter) is waited for at the
                 # backward's end, not carried, buffer and all, into the next step.
@@ -415,7 +416,7 @@ class ParamGroup:
             self._set_state(GroupState.LIST_FORWARD, unsharded)
             self._modules_to_run = {id(m) for m in self.modules}
         if not traced:
-            if not activation_checkpointing.in_backward():  # see [Note: activation checkpointing]
+            if not in_backward():  # see [Note: activation checkpointing]
                 for child in module._fsdp_next_groups:
                     if child._state is not GroupState.UNSHARDED:  # else unshard() gathered it
                         child.prefetch()
@@ -562,7 +563,7 @@ class ParamGroup:
             if pending is None:
                 pending = self.start_all_gather()
             self._eager.keep_for_backward(self.finish_all_gather(pending))
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             # Also frees them for a group without trainable parameters, whose
             # backward never reaches post_backward.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .activation_checkpointing import in_backward
+from ..tracing import in_backward
 
 # (module, attribute name, parameter index): one module attribute holding a parameter.
 Binding = tuple[nn.Module, str, int]
