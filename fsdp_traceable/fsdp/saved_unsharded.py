@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 class RegatheringGroup(Protocol):
@@ -32,7 +33,8 @@ class RegatheringGroup(Protocol):
         """The group's unsharded parameters, gathered once for its backward."""
         ...
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# FakeTensor: a step run on fake tensors (the planner's) reshards as a real one does.
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
 class _SavedUnshardedView(NamedTuple):
@@ -52,6 +54,12 @@ class _SavedSubclass(NamedTuple):
     inner: dict[str, Any]  # attribute -> token, or the inner tensor itself
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage: its ``StorageImpl``'s address, not its data
+    pointer, which is 0 for every fake or meta tensor (the planner runs steps on those)."""
+    return tensor.untyped_storage()._cdata
+
+
 def _storage_tensors(tensor: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
     """``tensor`` itself if it has storage, else its inner tensors that have."""
     if type(tensor) in _PLAIN:
@@ -69,7 +77,7 @@ class SavedUnsharded:
     forward, and the saved-tensor hooks that swap them for tokens."""
 
     def __init__(self) -> None:
-        # storage data_ptr -> (group, parameter index, dtype, inner attribute or None,
+        # storage key (_storage_key) -> (group, parameter index, dtype, inner attribute or None,
         # storage offset) of every unsharded parameter (or inner tensor of one) registered.
         self._live: dict[int, tuple[RegatheringGroup, int, torch.dtype, str | None, int]] = {}
 
@@ -80,14 +88,14 @@ class SavedUnsharded:
         """Saves of ``unsharded`` (``group``'s parameters, by index) become tokens."""
         for index, tensor in enumerate(unsharded):
             for attr, storage_tensor in _storage_tensors(tensor):
-                self._live[storage_tensor.untyped_storage().data_ptr()] = (
+                self._live[_storage_key(storage_tensor)] = (
                     group, index, storage_tensor.dtype, attr, storage_tensor.storage_offset())
 
     def unregister(self, unsharded: list[torch.Tensor]) -> None:
         """Ends what :meth:`register` started (the forward that gathered them ended)."""
         for tensor in unsharded:
             for _, storage_tensor in _storage_tensors(tensor):
-                self._live.pop(storage_tensor.untyped_storage().data_ptr(), None)
+                self._live.pop(_storage_key(storage_tensor), None)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context that swaps saved unsharded parameters for tokens."""
@@ -97,7 +105,7 @@ class SavedUnsharded:
         """The token for a plain strided ``tensor`` living in an unsharded parameter."""
         if tensor.layout != torch.strided:
             return None
-        entry = self._live.get(tensor.untyped_storage().data_ptr())
+        entry = self._live.get(_storage_key(tensor))
         if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
             return None
         group, index, _, attr, param_offset = entry
