@@ -38,7 +38,7 @@ SUBSET=(
   "$FULLY_SHARD[2-eager-adamw]"
   "tests/fsdp/test_fully_shard.py::test_bf16_mixed_precision_within_fsdp2_error[compile-ca-aot-eager]"
   compile_tests/test_fully_shard_compile.py
-  tests/test_torch_patches.py
+  tests/_torch_patches/
   "$EXTENSIONS::test_compiled_all_gather_carries_float8_weights_as_bytes"
   "$EXTENSIONS::test_hooks_are_inlined_not_graph_ops"
   "$EXTENSIONS::test_hooks_set_after_fully_shard_compiled_within_1e5_of_fsdp2_eager"
@@ -111,7 +111,7 @@ for i in "${!VERSIONS[@]}"; do
     "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 \
     "${SUBSET[@]}"
   rc=$?
-  "$venv/bin/python" -m fsdp_traceable.triton_kernels.gpu_targets
+  "$venv/bin/python" -m tests.triton_kernels.gpu_targets
   gpu_rc=$?
   (cd / && "$OLDPWD/$venv/bin/python" -c "$BOTH_KERNEL_PACKAGES")
   names_rc=$?

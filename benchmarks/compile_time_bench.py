@@ -99,6 +99,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     import fsdp_traceable
+    from fsdp_traceable.introspection.fake_world import fake_process_group
     from fsdp_traceable.models.transformer import (
         Transformer,
         TransformerBlock,
@@ -106,7 +107,6 @@ def _child(config: str, layers: int, dim: int, steps: int,
         shard_transformer,
     )
     from fsdp_traceable.testing import track_compiles
-    from fsdp_traceable.testing.fake_world import fake_process_group
 
     import_s = time.perf_counter() - start
     torch._functorch.config.force_non_lazy_backward_lowering = force_backward_lowering

@@ -28,13 +28,13 @@ from torch._inductor.utils import run_and_get_code
 
 import fsdp_traceable
 from fsdp_traceable.fsdp.features.module_compile import COMPILED_COMPUTE
-from fsdp_traceable.inspect.inductor_code import overlap
+from fsdp_traceable.introspection.inductor_code import overlap
 from fsdp_traceable.models.transformer import (
     Transformer,
     TransformerConfig,
     shard_transformer,
 )
-from fsdp_traceable.region_schedule import CompiledAutogradOverlap
+from fsdp_traceable.whole_step.region_schedule import CompiledAutogradOverlap
 from fsdp_traceable.testing import count_collectives, track_compiles
 from tests.fixtures import kernel_cache_only
 

@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import fsdp_traceable as ft
-from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.introspection.fake_world import fake_process_group
 
 BUCKET_SIZE = 32
 # Graph nodes that compute nothing: list indexing and no_grad's grad-mode switches.

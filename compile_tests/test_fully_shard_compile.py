@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import fsdp_traceable
-from fsdp_traceable.inspect.capture import InductorCapture
+from fsdp_traceable.introspection.capture import InductorCapture
 from fsdp_traceable.models.transformer import (
     Transformer,
     TransformerConfig,

@@ -12,10 +12,10 @@ import expecttest
 import torch
 
 from compile_tests.sharded_model import data, make_model
-from fsdp_traceable.inspect.capture import InductorCapture
-from fsdp_traceable.inspect.graph import collective_sequence
+from fsdp_traceable.introspection.capture import InductorCapture
+from fsdp_traceable.introspection.fake_world import fake_process_group
+from fsdp_traceable.introspection.graph import collective_sequence
 from fsdp_traceable.testing import count_collectives
-from fsdp_traceable.testing.fake_world import fake_process_group
 
 
 class TestGraphDumps(expecttest.TestCase):

@@ -22,12 +22,12 @@ from torch.testing import FileCheck
 
 import fsdp_traceable
 from compile_tests.sharded_model import CONFIG, N_GROUPS, data, make_model
-from fsdp_traceable.collectives.inductor_options import inductor_options
-from fsdp_traceable.inspect.inductor_code import CollectiveCopies, collective_copies, overlap
+from fsdp_traceable.introspection.fake_world import fake_process_group
+from fsdp_traceable.introspection.inductor_code import CollectiveCopies, collective_copies, overlap
 from fsdp_traceable.testing import count_collectives
-from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.tracing import regions_available
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+from fsdp_traceable.whole_step.inductor_options import inductor_options
 from tests.fixtures import kernel_cache_only
 
 pytestmark = pytest.mark.slow

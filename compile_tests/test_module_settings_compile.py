@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from compile_tests.sharded_model import make_model
 from compile_tests.test_recompiles import Step
+from fsdp_traceable.introspection.fake_world import fake_process_group
 from fsdp_traceable.testing import track_compiles
-from fsdp_traceable.testing.fake_world import fake_process_group
 
 
 def _modules(model):

@@ -25,7 +25,7 @@ _COMPILE_STEP = textwrap.dedent("""
     import torch
     from torch._dynamo.utils import counters
     import fsdp_traceable
-    from fsdp_traceable.testing.fake_world import fake_process_group
+    from fsdp_traceable.introspection.fake_world import fake_process_group
     from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 
     with fake_process_group(2):

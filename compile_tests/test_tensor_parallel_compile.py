@@ -55,7 +55,7 @@ def test_dp_mesh_dims_raises_under_compile() -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     import fsdp_traceable
-    from fsdp_traceable.testing.fake_world import fake_process_group
+    from fsdp_traceable.introspection.fake_world import fake_process_group
 
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -1,7 +1,7 @@
 """What an FX node of a compiled graph does, as far as the collectives go: a
 functional collective (or its wait), a data-movement copy, a view, or other work.
 
-Shared by :mod:`fsdp_traceable.inspect.graph` (which reads the copies around each
+Shared by :mod:`fsdp_traceable.introspection.graph` (which reads the copies around each
 collective out of a graph) and :mod:`fsdp_traceable.backward_regions` (which keeps
 them outside a compile region). After AOTAutograd the library's copy ops are
 decomposed into the aten ops listed here.

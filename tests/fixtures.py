@@ -23,10 +23,10 @@ import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_traceable import cpu_isa_probe
 from fsdp_traceable.collectives import comm
-from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.introspection.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import preload_rank_server
+from fsdp_traceable.whole_step import cpu_isa_probe
 
 # [Note: one Inductor compile thread in the suite]
 # With more than one compile thread, every process that compiles with Inductor starts a

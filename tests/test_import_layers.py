@@ -18,16 +18,20 @@ ROOT = Path(fsdp_traceable.__file__).parent
 
 # Lowest first; a module may import its own layer and the layers below it. Keyed by
 # the first name under the package (a base module's own name, or a subpackage).
+# whole_step/ holds the whole step's modules of several layers: each is keyed by its own
+# name (``whole_step.<module>``), the package's lazy ``__init__`` by ``whole_step``.
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "sizes", "tracing", "fx_ops", "region_schedule", "_torch_patches", "profiler_labels",
-     "_source_tree", "cpu_isa_probe"),
+    ("config", "sizes", "tracing", "fx_ops", "_torch_patches", "profiler_labels",
+     "_source_tree", "whole_step.region_schedule", "whole_step.cpu_isa_probe",
+     "whole_step.inductor_options"),
     ("triton_kernels",),  # the top-level triton_kernels/ folder, imported under the package
-    ("collectives",),
+    ("collectives", "whole_step.copy_regions"),
     ("backward_regions",),
     # "": the package's __init__, which re-exports fully_shard
-    ("fsdp", "", "whole_step", "step_cache", "traced_optimizer"),
+    ("fsdp", "", "whole_step", "whole_step.capture", "whole_step.step_cache",
+     "whole_step.traced_optimizer"),
     ("models",),
-    ("inspect",),
+    ("introspection",),
     ("testing",),
     ("cli", "__main__"),
 ]
@@ -76,6 +80,8 @@ def import_graph() -> dict[str, set[str]]:
 def layer(module: str) -> int:
     parts = module.split(".")
     key = parts[1] if len(parts) > 1 else ""
+    if key == "whole_step" and len(parts) > 2:
+        key = f"whole_step.{parts[2]}"
     assert key in LAYER_OF, f"{module}: give {key!r} a layer in LAYERS (tests/test_import_layers.py)"
     return LAYER_OF[key]
 

@@ -147,7 +147,7 @@ import json, logging, torch, torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 import fsdp_traceable
 from fsdp_traceable._torch_patches import checkpoint_warning
-from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.introspection.fake_world import fake_process_group
 
 messages = []
 class Keep(logging.Handler):

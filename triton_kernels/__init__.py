@@ -3,7 +3,8 @@
 Importing this package registers the ``torch.ops.fsdp_traceable_triton`` ops (see
 :mod:`.ops`) when ``triton`` and ``torch`` are installed. Without torch
 only the torch-free modules import: ``fields``, ``kernels`` (through ``loader``),
-``launch_args``, ``cuda_variants`` and the GPU target check ``gpu_targets``.
+and ``launch_args`` (the GPU target check, ``tests/triton_kernels/gpu_targets.py``,
+builds on them).
 Use :func:`is_available` to test for triton without importing anything. The usual
 entry point is
 :mod:`fsdp_traceable.collectives.copy_backends`, which picks these kernels when

@@ -6,7 +6,7 @@ of the int32 tile table), the element kinds of sources and destinations, and the
 pre-divide modes. ``kernels.py``, the layouts and the launches all read these names;
 nothing repeats a column number or a kind. Dtypes are named by their torch names
 (``"bfloat16"``), so this module, ``kernels.py`` and the GPU target check
-(:mod:`.gpu_targets`) import without torch; :mod:`.dtypes`
+(``tests/triton_kernels/gpu_targets.py``) import without torch; :mod:`.dtypes`
 maps the names to torch dtypes.
 """
 

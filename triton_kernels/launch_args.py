@@ -2,7 +2,7 @@
 kernel's arguments and constexprs.
 
 :mod:`.launch` launches with these on real tensors, and the GPU target
-check (:mod:`.cuda_variants`, :mod:`.gpu_targets`) binds
+check (``tests/triton_kernels/cuda_variants.py``, ``gpu_targets.py``) binds
 them, on stand-in tensors, to the compiled kernels' signatures, so a constexpr or
 argument added here reaches both. Torch-free.
 """

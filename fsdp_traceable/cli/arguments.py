@@ -24,7 +24,7 @@ BENCH_MODES = (
     "whole-step-optim", "compile-blocks", "compile-blocks-ca", "compute-only",
     "compute-only-compiled", "comm-only",
 )
-# ``explain``'s model: ``fsdp_traceable.inspect.explain.DEMO_CONFIG``'s blocks and width
+# ``explain``'s model: ``fsdp_traceable.introspection.explain.DEMO_CONFIG``'s blocks and width
 # (a test keeps them equal; importing it here would import torch).
 EXPLAIN_LAYERS = 2
 EXPLAIN_DIM = 64

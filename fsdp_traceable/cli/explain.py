@@ -1,13 +1,13 @@
 """``python -m fsdp_traceable explain``: the command-line face of
-:func:`fsdp_traceable.inspect.explain.explain` (its arguments: :mod:`.arguments`)."""
+:func:`fsdp_traceable.introspection.explain.explain` (its arguments: :mod:`.arguments`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from ..collectives import inductor_options
-from ..inspect.explain import DEMO_CONFIG, explain
+from ..introspection.explain import DEMO_CONFIG, explain
 from ..models.transformer import TransformerConfig
+from ..whole_step.inductor_options import inductor_options
 from .progress import say, still_running
 
 

@@ -11,8 +11,9 @@ test suite.
 Everything here reads torch's own records (``torch._dynamo.utils.counters``, Dynamo's
 compilation metrics, the ``graph_breaks`` log), so it sees every frame Dynamo compiles
 while the block runs, including frames of library code it enters after a graph break.
-:mod:`.fake_world` and :mod:`.local_ranks` hold the process-group set-ups for
-single-process graph tests and for real gloo ranks.
+:func:`fake_process_group` (torch's fake process group, which ``explain`` compiles on)
+and :mod:`.local_ranks` hold the process-group set-ups for single-process graph tests
+and for real gloo ranks.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..inspect.compiles import CompileRecord, FrameCompile, GraphBreaks, track_compiles
-from ..inspect.graph import collective_kinds
-from ..inspect.inductor_code import schedule
+from ..introspection.compiles import CompileRecord, FrameCompile, GraphBreaks, track_compiles
+from ..introspection.fake_world import fake_process_group
+from ..introspection.graph import collective_kinds
+from ..introspection.inductor_code import schedule
 
 __all__ = [
     "CompileRecord",
@@ -36,6 +38,7 @@ __all__ = [
     "assert_no_recompiles",
     "count_collectives",
     "count_graph_breaks",
+    "fake_process_group",
     "track_compiles",
 ]
 

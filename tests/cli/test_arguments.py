@@ -103,7 +103,7 @@ def test_bench_modes_help_lists_every_mode() -> None:
 
 
 def test_explain_defaults_are_the_demo_model() -> None:
-    from fsdp_traceable.inspect.explain import DEMO_CONFIG
+    from fsdp_traceable.introspection.explain import DEMO_CONFIG
 
     assert (arguments.EXPLAIN_LAYERS, arguments.EXPLAIN_DIM, arguments.EXPLAIN_HEADS) == (
         DEMO_CONFIG.n_layers, DEMO_CONFIG.dim, DEMO_CONFIG.n_heads)

@@ -38,7 +38,7 @@ from fsdp_traceable.fsdp.arguments import (
     EmptyModuleListError,
     ShardingOrderError,
 )
-from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.introspection.fake_world import fake_process_group
 
 FullyShard = Callable[..., Any]  # a fully_shard: ours or FSDP2's
 BadCall = tuple[type[Exception], str, Callable[[DeviceMesh, FullyShard], object]]

@@ -23,8 +23,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_traceable
+from fsdp_traceable.introspection.fake_world import fake_process_group
 from fsdp_traceable.models.transformer import Transformer, shard_transformer
-from fsdp_traceable.testing.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp.compiled_cases import (
     MODE,

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_traceable import fully_shard
-from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.introspection.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import parity_cases
 from tests.fsdp.feature_cases import assert_bitwise, case_results, run_cases

@@ -187,7 +187,7 @@ def test_compiled_copies_are_one_tile_kernel_each(inductor_cache):
     from torch._inductor.utils import run_and_get_code
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp_traceable.inspect.inductor_code import schedule
+    from fsdp_traceable.introspection.inductor_code import schedule
 
     fulls, shards, padded, dims = _bucket(F32)
     gathered = torch.cat([copy_backends.all_gather_copy_in(shards, padded, BF16)] * WORLD)

@@ -12,14 +12,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fsdp_traceable.inspect.inductor_code import collective_copies, collective_kind
+from fsdp_traceable.introspection.fake_world import fake_process_group
+from fsdp_traceable.introspection.inductor_code import collective_copies, collective_kind
 from fsdp_traceable.testing import (
     assert_no_recompiles,
     count_collectives,
     count_graph_breaks,
     track_compiles,
 )
-from fsdp_traceable.testing.fake_world import fake_process_group
 
 
 @pytest.fixture(autouse=True)

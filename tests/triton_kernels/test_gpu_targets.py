@@ -15,8 +15,6 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from fsdp_traceable.triton_kernels import cuda_variants as variants_module  # noqa: E402
-from fsdp_traceable.triton_kernels import gpu_targets  # noqa: E402
 from fsdp_traceable.triton_kernels.fields import (  # noqa: E402
     KIND_BF16,
     KIND_BYTES,
@@ -28,7 +26,9 @@ from fsdp_traceable.triton_kernels.fields import (  # noqa: E402
 )
 from fsdp_traceable.triton_kernels.launch_args import pack_launch  # noqa: E402
 from fsdp_traceable.triton_kernels.loader import kernels_module, load_kernels  # noqa: E402
-from fsdp_traceable.triton_kernels.variant_sample import _pairs, choices, pairwise_sample  # noqa: E402
+from tests.triton_kernels import cuda_variants as variants_module  # noqa: E402
+from tests.triton_kernels import gpu_targets  # noqa: E402
+from tests.triton_kernels.variant_sample import _pairs, choices, pairwise_sample  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

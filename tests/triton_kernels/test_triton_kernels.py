@@ -345,7 +345,7 @@ def test_inductor_calls_each_op_once_with_the_eager_bits():
     copy is one call of its op in the output code, with the eager bits."""
     from torch._inductor.utils import run_and_get_code
 
-    from fsdp_traceable.inspect.inductor_code import schedule
+    from fsdp_traceable.introspection.inductor_code import schedule
 
     params = bucket(2)
     fulls = full_tensors(params, [F32] * len(params))

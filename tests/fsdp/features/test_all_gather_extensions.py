@@ -16,7 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 
 import fsdp_traceable
 from fsdp_traceable.fsdp import group_all_gather
-from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.introspection.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp.feature_cases import record_all_gathers
 from tests.fsdp.float8_weight import (

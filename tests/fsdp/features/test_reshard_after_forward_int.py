@@ -21,12 +21,12 @@ import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_traceable import compile_step, fully_shard, region_schedule
+from fsdp_traceable import compile_step, fully_shard
 from fsdp_traceable.fx_ops import op_name
-from fsdp_traceable.testing.fake_world import fake_process_group
+from fsdp_traceable.introspection.fake_world import fake_process_group
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from fsdp_traceable.tracing import regions_available
-from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors, region_schedule
 from tests.fsdp import compiled_cases, parity_cases
 from tests.fsdp.feature_cases import assert_bitwise, run_cases
 from tests.fsdp.float8_weight import Float8MLP, shard_float8_mlp

@@ -141,7 +141,7 @@ def test_hsdp_tp_layouts_match_fsdp2(rank: int) -> None:
     )
 
     import fsdp_traceable
-    from fsdp_traceable.testing.fake_world import fake_process_group
+    from fsdp_traceable.introspection.fake_world import fake_process_group
 
     dims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)  # torch 2.12+
     with fake_process_group(8, rank):

@@ -1,5 +1,5 @@
 """``torch.compile`` backends that keep the graphs they compile, for tests and
-:func:`fsdp_traceable.inspect.explain.explain`.
+:func:`fsdp_traceable.introspection.explain.explain`.
 
 :class:`GraphCapture` stops after AOTAutograd (Inductor's decompositions and
 partitioner, no Inductor codegen): fast, for checking graph content.
@@ -36,7 +36,7 @@ class CapturedGraph:
     or ``"post_grad_<forward|backward|inference>"``. ``compile_id``: Dynamo's id of the
     frame compile it came from (``"?"`` when compiled outside one, e.g. a lazily
     compiled backward). ``code``: the readable graph code. ``collectives`` and
-    ``sequence``: see :mod:`fsdp_traceable.inspect.graph`.
+    ``sequence``: see :mod:`fsdp_traceable.introspection.graph`.
     """
 
     stage: str

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_traceable.cli.main import main
-from fsdp_traceable.inspect.explain import explain
+from fsdp_traceable.introspection.explain import explain
 from fsdp_traceable.models.transformer import Transformer, TransformerConfig
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from .cuda_variants import KernelVariant
+from tests.triton_kernels.cuda_variants import KernelVariant
 
 Choice = tuple[int, str]  # (argument index, the argument's constexpr value or type+attrs)
 

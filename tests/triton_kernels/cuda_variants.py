@@ -3,7 +3,8 @@ from the launch code itself.
 
 A launch's inputs (destination kind, source kinds, pre-divide, tensor alignment,
 sizes) go through the launcher's own argument builders
-(:func:`triton_kernels.launch_args.pack_launch`, :func:`~triton_kernels.launch_args.unpack_launch`)
+(:func:`~fsdp_traceable.triton_kernels.launch_args.pack_launch`,
+:func:`~fsdp_traceable.triton_kernels.launch_args.unpack_launch`)
 with stand-in tensors, then through Triton's own binder, which says what Triton
 specializes on (argument types, 16-byte divisibility of pointers and of integers,
 integers equal to 1). Distinct specializations are the variants. A constexpr or an
@@ -23,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from .fields import (
+from fsdp_traceable.triton_kernels.fields import (
     BYTES_DTYPE_NAME,
     DEFAULT_TILE,
     INT_NAME_OF_SIZE,
@@ -31,7 +32,13 @@ from .fields import (
     KIND_OF_DTYPE_NAME,
     MAX_INDEX,
 )
-from .launch_args import PACK_KERNEL, UNPACK_KERNEL, pack_launch, scale_for, unpack_launch
+from fsdp_traceable.triton_kernels.launch_args import (
+    PACK_KERNEL,
+    UNPACK_KERNEL,
+    pack_launch,
+    scale_for,
+    unpack_launch,
+)
 
 # One integer of each class Triton tells apart (1, multiples of 16, the rest; the last
 # at the int32 bound the layouts enforce: larger buckets take the aten path). 0 never
@@ -147,7 +154,7 @@ def pack_launches() -> Iterator[tuple[tuple, dict[str, Any]]]:
     refuses (``ValueError``) are skipped.
 
     Returns:
-        ``(args, kwargs)`` pairs as :func:`~triton_kernels.launch_args.pack_launch`
+        ``(args, kwargs)`` pairs as :func:`~fsdp_traceable.triton_kernels.launch_args.pack_launch`
         builds them.
     """
     kinds = [*KIND_OF_DTYPE_NAME.values(), KIND_BYTES]
@@ -175,7 +182,7 @@ def unpack_launches() -> Iterator[tuple[tuple, dict[str, Any]]]:
     views of one element size (``fields.INT_NAME_OF_SIZE``), each aligned or not.
 
     Returns:
-        ``(args, kwargs)`` pairs as :func:`~triton_kernels.launch_args.unpack_launch`
+        ``(args, kwargs)`` pairs as :func:`~fsdp_traceable.triton_kernels.launch_args.unpack_launch`
         builds them.
     """
     table64 = StandIn("int64", ALIGNED_ADDRESS)

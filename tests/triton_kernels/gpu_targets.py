@@ -2,15 +2,15 @@
 
 The Triton interpreter never traces the GPU-only branches (``MANUAL_CASTS=False``,
 ``SCALE_RECIPROCAL``); this check builds PTX and cubin for each variant of
-:func:`triton_kernels.cuda_variants.cuda_variants` with the wheel's bundled ``ptxas``
+:func:`tests.triton_kernels.cuda_variants.cuda_variants` with the wheel's bundled ``ptxas``
 (no driver, no device, no torch) and fails on a compile error, a register spill, or
 more than :data:`MAX_REGISTERS` registers per thread.
 
-    python -m fsdp_traceable.triton_kernels.gpu_targets                # sm_80, sm_90, sm_100
-    python -m fsdp_traceable.triton_kernels.gpu_targets --arch 90 --sample-arch 80 100
+    python -m tests.triton_kernels.gpu_targets                # sm_80, sm_90, sm_100
+    python -m tests.triton_kernels.gpu_targets --arch 90 --sample-arch 80 100
 
 ``--sample-arch`` compiles only a pairwise covering of the variants
-(:func:`triton_kernels.variant_sample.pairwise_sample`) for those archs. Excesses
+(:func:`tests.triton_kernels.variant_sample.pairwise_sample`) for those archs. Excesses
 measured before and listed in :data:`KNOWN_EXCESSES` are reported, not failed, up to
 their measured size; ``--strict`` fails them too.
 """
@@ -35,10 +35,10 @@ from types import ModuleType
 import triton
 from triton.backends.compiler import GPUTarget
 
-from .cuda_variants import KernelVariant, cuda_variants
-from .launch_args import NUM_WARPS, PROGRAMS_PER_SM
-from .loader import load_kernels
-from .variant_sample import pairwise_sample
+from fsdp_traceable.triton_kernels.launch_args import NUM_WARPS, PROGRAMS_PER_SM
+from fsdp_traceable.triton_kernels.loader import load_kernels
+from tests.triton_kernels.cuda_variants import KernelVariant, cuda_variants
+from tests.triton_kernels.variant_sample import pairwise_sample
 
 ARCHS = (80, 90, 100)
 REGISTERS_PER_SM = 65536  # sm_80 to sm_100
@@ -220,7 +220,7 @@ def check(
         kernels: ``kernels.py`` in compiled mode (default: the package's); loaded from
             its file in each worker.
         variants: the variants to compile for every arch of ``archs`` (default: all
-            of :func:`~triton_kernels.cuda_variants.cuda_variants`, per arch).
+            of :func:`~tests.triton_kernels.cuda_variants.cuda_variants`, per arch).
         known_excesses: excesses that do not fail the check (default:
             :data:`KNOWN_EXCESSES`; ``{}``: strict).
 
@@ -238,7 +238,7 @@ def check(
         raise ValueError(f"need workers >= 1 and max_registers >= 1; got workers={workers}, "
                          f"max_registers={max_registers}")
     if kernels is None:
-        from .loader import kernels_module
+        from fsdp_traceable.triton_kernels.loader import kernels_module
 
         kernels = kernels_module(False)
     tasks = [_Task(kernels.__file__, kernels.__name__, variant, arch)
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 when every variant compiles within the limits, else 1.
     """
-    parser = argparse.ArgumentParser(prog="python -m fsdp_traceable.triton_kernels.gpu_targets",
+    parser = argparse.ArgumentParser(prog="python -m tests.triton_kernels.gpu_targets",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="*", default=None,
                         help="compute capabilities to compile every variant for "

@@ -27,7 +27,7 @@ from torch._functorch import config as functorch_config
 
 from ..fsdp import FSDPModule, fully_shard
 from ..models.transformer import Transformer, TransformerConfig, shard_transformer
-from ..whole_step import compile_step
+from ..whole_step.capture import compile_step
 from .capture import CapturedGraph, InductorCapture, OutputCode
 from .compiles import FrameCompile, GraphBreaks, track_compiles
 from .fake_world import fake_process_group
