@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,11 +27,19 @@ from torch.distributed.pipelining import (
 import fsdp_traceable
 
 DIM, N_BLOCKS, MICROBATCHES, MICROBATCH, STEPS = 8, 4, 4, 2, 2
-SCHEDULES = {
-    "gpipe": (ScheduleGPipe, 1),
-    "1f1b": (Schedule1F1B, 1),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
+# name: (schedule class, stages per rank, schedule keyword arguments)
+SCHEDULES: dict[str, tuple[type, int, dict[str, Any]]] = {
+    "gpipe": (ScheduleGPipe, 1, {}),
+    "1f1b": (Schedule1F1B, 1, {}),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2, {}),
 }
+# torch 2.15's multi-stage schedules can leave each stage's gradient reduction in flight
+# until the next one starts: they read ``_get_fsdp_state()._comm_ctx`` to refuse stages
+# sharing a communication context, then call ``finalize_backward(async_op=True)`` and
+# wait on the handle later.
+if "defer_reduce_grad_wait" in inspect.signature(ScheduleInterleaved1F1B.__init__).parameters:
+    SCHEDULES["interleaved_1f1b_deferred_wait"] = (
+        ScheduleInterleaved1F1B, 2, {"defer_reduce_grad_wait": True})
 # The c10d calls FSDP2's and our eager collectives go through (torch 2.11 lacks the
 # *_single names).
 _ALL_GATHERS = ("all_gather_into_tensor", "all_gather_single")
@@ -118,15 +127,15 @@ def counting_collectives() -> Iterator[dict[str, int]]:
 def train(mesh: DeviceMesh, schedule: str, fully_shard_fn: Callable[..., Any]) -> dict[str, Any]:
     """``STEPS`` SGD steps of ``schedule``: last-stage losses, every parameter's final
     local shard (by stage and name) and each step's collective counts."""
-    schedule_cls, stages_per_rank = SCHEDULES[schedule]
+    schedule_cls, stages_per_rank, schedule_kwargs = SCHEDULES[schedule]
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     modules = _stages(pp_rank, stages_per_rank, mesh["dp"], fully_shard_fn)
     stages = [PipelineStage(m, i, 2 * stages_per_rank, torch.device("cpu"),
                             group=mesh["pp"].get_group()) for i, m in modules]
     if stages_per_rank == 1:
-        pipeline = schedule_cls(stages[0], MICROBATCHES, loss_fn=_loss)
+        pipeline = schedule_cls(stages[0], MICROBATCHES, loss_fn=_loss, **schedule_kwargs)
     else:
-        pipeline = schedule_cls(stages, MICROBATCHES, loss_fn=_loss)
+        pipeline = schedule_cls(stages, MICROBATCHES, loss_fn=_loss, **schedule_kwargs)
     params = [p for _, m in modules for p in m.parameters()]
     optim = torch.optim.SGD(params, lr=0.1)
     has_last = any(s.is_last for s in stages)
