@@ -34,8 +34,8 @@ from fsdp_traceable.models.transformer import (
     TransformerConfig,
     shard_transformer,
 )
-from fsdp_traceable.whole_step.region_schedule import CompiledAutogradOverlap
 from fsdp_traceable.testing import count_collectives, track_compiles
+from fsdp_traceable.whole_step.region_schedule import CompiledAutogradOverlap
 from tests.fixtures import kernel_cache_only
 
 

@@ -11,9 +11,9 @@ import torch
 
 import fsdp_traceable
 from compile_tests.sharded_model import data, make_model
-from fsdp_traceable.step_cache import _closure_modules, fingerprint, precompile_available
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
+from fsdp_traceable.whole_step.step_cache import _closure_modules, fingerprint, precompile_available
 
 needs_precompile = pytest.mark.skipif(
     not (dynamo_traces_backward_into_dtensors() and precompile_available()),

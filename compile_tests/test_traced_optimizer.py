@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import fsdp_traceable
-from fsdp_traceable.whole_step import _followed_by_update, dynamo_traces_backward_into_dtensors
+from fsdp_traceable.whole_step.capture import _followed_by_update, dynamo_traces_backward_into_dtensors
 
 pytestmark = pytest.mark.skipif(
     not dynamo_traces_backward_into_dtensors(),

@@ -22,7 +22,7 @@
     forward as one call of a shared nested compile region, so identical blocks are
     traced and compiled once (see :mod:`fsdp_traceable.fsdp.forward_regions`). Each
     collective is moved across the neighbouring region call, so a block's all-gather
-    still overlaps the previous block's compute (:mod:`fsdp_traceable.region_schedule`).
+    still overlaps the previous block's compute (:mod:`fsdp_traceable.whole_step.region_schedule`).
     A forward returning a view of its input, or an object other than tensors,
     constants and tuples, lists and dicts of them, fails to compile with an error
     naming this switch. ``True`` insists (``compile_step`` raises on an older torch);

@@ -9,7 +9,7 @@ Each patch below works around one torch behaviour that has no public switch. Eac
 has: a docstring saying why, which torch versions it applies to (feature-detected:
 where torch lacks what it patches, nothing is changed and the function returns
 ``False``), and one function that applies it and is safe to call again. Each has a
-test in ``tests/test_torch_patches.py`` that checks the unpatched behaviour is still
+test in ``tests/_torch_patches/`` (``test_<module>.py``) that checks the unpatched behaviour is still
 a problem, so that test fails, and says the patch can go, once torch fixes it.
 
 Importing ``fsdp_traceable`` applies none of them (``tests/test_import_side_effects.py``
@@ -28,9 +28,9 @@ Inductor or Triton: each is applied by the package's own entry point that needs 
 * :func:`trace_backward_into_subclasses`, :func:`complete_whole_step_recompute`: by
   :func:`fsdp_traceable.compile_step`.
 * :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved
-  step's CPU ISA probe outcome is taken (``cpu_isa_probe.trust_saved_probe``).
+  step's CPU ISA probe outcome is taken (``whole_step.cpu_isa_probe.trust_saved_probe``).
 * :func:`skip_header_precompile_on_load`: by :func:`header_precompile_skipped`, while
-  a saved step loads (``step_cache``).
+  a saved step loads (``whole_step.step_cache``).
 
 No module outside this package may assign to, wrap or filter anything of torch's.
 """
@@ -59,7 +59,7 @@ from .traced_backward import (
 )
 
 # Read from .whole_step_recompute on first use: it imports Inductor (through
-# ..region_schedule), which importing this package must not.
+# ..whole_step.region_schedule), which importing this package must not.
 _LAZY = {"REMAT_PASS_MODULE", "complete_whole_step_recompute"}
 
 

@@ -52,7 +52,7 @@ def drop_context_fn_warning() -> bool:
     functional copy-in, all-gather and copy-out only.
 
     Applies to: every torch whose ``torch._higher_order_ops.wrap`` logs the warning
-    through a module-level ``warning_once`` (2.13; ``tests/test_torch_patches.py``
+    through a module-level ``warning_once`` (2.13; ``tests/_torch_patches/test_checkpoint_warning.py``
     checks it on the torch it runs on, and where the name is missing nothing is
     changed).
 

@@ -26,7 +26,7 @@ def answer_isa_load_checks() -> bool:
     restarted process's first call of a saved 4-block step took. The loading process
     of a saved step whose saving process, on a CPU advertising the same instruction
     sets, found every one of them loadable, answers those checks from that outcome
-    (``fsdp_traceable/cpu_isa_probe.py``); every other call loads as torch does.
+    (``fsdp_traceable/whole_step/cpu_isa_probe.py``); every other call loads as torch does.
 
     Applies to: torch 2.13, whose ``VecISA`` has ``_probe_load`` and keeps no outcome
     of it (2.14 marks a loaded library on disk and loads it once per cache directory;

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..region_schedule import (
+from ..whole_step.region_schedule import (
     overlap_collectives_across_regions,
     read_passed_through_inputs_outside_regions,
     reroute_region_inputs_to_backward,
@@ -150,7 +150,7 @@ def complete_whole_step_recompute() -> bool:
     the pass each collective moves across the region call next to it, for overlap,
     and what a region returns of its own inputs is read from those inputs, which
     Inductor would otherwise overwrite before the backward reads them
-    (:mod:`fsdp_traceable.region_schedule`).
+    (:mod:`fsdp_traceable.whole_step.region_schedule`).
 
     Applies to: every torch whose AOTAutograd runs
     ``remat_using_tags_for_fwd_loss_bwd_graph`` on inference graphs, looked up in its

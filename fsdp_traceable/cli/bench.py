@@ -28,11 +28,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-from ..collectives import foreach_reduce, inductor_options
+from ..collectives import foreach_reduce
 from ..fsdp import FSDPModule
 from ..fsdp import fully_shard as ours_fully_shard
 from ..models.transformer import Transformer, shard_transformer
-from ..whole_step import dynamo_traces_backward_into_dtensors
+from ..whole_step.capture import dynamo_traces_backward_into_dtensors
+from ..whole_step.inductor_options import inductor_options
 from .arguments import BENCH_MODES, WHOLE_STEP_MODES
 from .launch import launched_by_torchrun, resolve_device, run_on_ranks
 from .memory import peak_allocated_bytes

@@ -29,7 +29,7 @@ from ..models.transformer import (
     parallelize_transformer,
     shard_transformer,
 )
-from ..whole_step import compile_step
+from ..whole_step.capture import compile_step
 from .arguments import WHOLE_STEP_MODES, TrainArgs
 from .data import synthetic_batch
 from .launch import launched_by_torchrun, resolve_device, run_on_ranks

@@ -7,10 +7,10 @@ backend ``config.copy_kernels`` picks (:mod:`.copy_backends`); every path comput
 the same bits.
 """
 
+from ..whole_step.inductor_options import inductor_options
 from . import ops  # noqa: F401  (registers torch.ops.fsdp_traceable)
 from .all_gather import AllGatherResult, foreach_all_gather, foreach_all_gather_copy_out
 from .divide_factors import ReduceSchedule, gradient_divide_schedule
-from .inductor_options import inductor_options
 from .reduce import ReduceResult, accumulate_sharded_grad, foreach_reduce
 from .shard_info import ShardInfo, make_shard_info, shard_tensor
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ..tracing import forward_regions_in_use
+from ..whole_step.copy_regions import copy_in_in_region, copy_out_in_region
 from . import comm, copy_backends
 from .bucket_layout import BucketLayout
-from .copy_regions import copy_in_in_region, copy_out_in_region
 from .shard_info import ShardInfo
 from .validation import check_bucket, check_bucket_bytes
 

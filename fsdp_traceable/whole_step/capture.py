@@ -28,11 +28,11 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from . import _torch_patches
-from . import config as fsdp_config
+from .. import _torch_patches
+from .. import config as fsdp_config
+from ..tracing import forward_regions_enabled, regions_available
 from .step_cache import PrecompiledStep, precompile_available
 from .traced_optimizer import TracedOptimizer
-from .tracing import forward_regions_enabled, regions_available
 
 __all__ = ["compile_step", "dynamo_traces_backward_into_dtensors"]
 
@@ -68,7 +68,7 @@ def _cacheable_functions() -> contextlib.AbstractContextManager:
 # torch's recompute pass runs them): what they do is not in AOTAutograd's cache key,
 # which hashes Dynamo's graph, so a step compiled before a change to them would be
 # served from the cache unchanged.
-_GRAPH_PASS_FILES = ("region_schedule.py", "fx_ops.py",
+_GRAPH_PASS_FILES = (os.path.join("whole_step", "region_schedule.py"), "fx_ops.py",
                      os.path.join("_torch_patches", "whole_step_recompute.py"))
 
 
@@ -76,7 +76,7 @@ _GRAPH_PASS_FILES = ("region_schedule.py", "fx_ops.py",
 def _graph_passes_hash() -> str:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = tuple(os.path.join(package, name) for name in _GRAPH_PASS_FILES)
     return get_hash_for_files(paths).hex()[:16]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from ..collectives import copy_backends
+from ..collectives.bucket_layout import BucketLayout
 from ..tracing import constant_result, keyed_region
-from . import copy_backends
-from .bucket_layout import BucketLayout
 
 # Layout signature -> small int, process-wide (a key is only compared within one trace).
 _signature_ids: dict[tuple, int] = {}

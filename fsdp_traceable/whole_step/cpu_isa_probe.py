@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import _torch_patches
+from .. import _torch_patches
 
 log = logging.getLogger(__name__)
 

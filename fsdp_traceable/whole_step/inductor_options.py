@@ -80,7 +80,7 @@ def inductor_options(
             OVERLAP_PASSES if raise_collectives else SINK_WAITS_ONLY)
         if raise_collectives:
             # Not on import: a CustomGraphPass imports Inductor (and Dynamo, Triton).
-            from ..region_schedule import CompiledAutogradOverlap
+            from .region_schedule import CompiledAutogradOverlap
 
             options["post_grad_custom_post_pass"] = CompiledAutogradOverlap()
     if group_copy_kernels:

@@ -30,8 +30,8 @@ import torch.fx as fx
 from torch._guards import CompileContext
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import fx_ops
-from .fx_ops import is_collective, op_name
+from .. import fx_ops
+from ..fx_ops import is_collective, op_name
 
 __all__ = ["CompiledAutogradOverlap", "overlap_collectives_across_regions",
            "read_passed_through_inputs_outside_regions", "reroute_region_inputs_to_backward"]

@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _torch_patches, config, cpu_isa_probe
+from .. import _torch_patches, config
+from ..tracing import forward_regions_enabled
+from . import cpu_isa_probe
 from .traced_optimizer import TracedOptimizer
-from .tracing import forward_regions_enabled
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ def _fingerprint_parts(step: Callable[..., Any], modules: dict[str, nn.Module], 
     yield _code_digest(step.__code__)
     for name, value in [*enumerate(args), *sorted(kwargs.items())]:
         yield f"arg {name}: {_describe(value)}"
-    from .fsdp import FSDPModule
+    from ..fsdp import FSDPModule
 
     for root_name, root in sorted(modules.items()):
         for path, module in root.named_modules(prefix=root_name):
@@ -225,7 +226,7 @@ def _describe(value: Any) -> str:
 
 
 def _group_settings(group: Any) -> str:
-    from .fsdp.group_settings import SETTINGS
+    from ..fsdp.group_settings import SETTINGS
 
     settings = {name: _describe(getattr(group.settings, name)) for name in sorted(SETTINGS)}
     params = group.params

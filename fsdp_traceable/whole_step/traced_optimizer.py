@@ -46,7 +46,7 @@ from torch.optim import optimizer as optimizer_module
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
-from .fsdp import stale_optimizers
+from ..fsdp import stale_optimizers
 
 __all__ = ["TracedOptimizer"]
 

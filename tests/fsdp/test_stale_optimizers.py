@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_traceable import fully_shard
-from fsdp_traceable.traced_optimizer import TracedOptimizer
+from fsdp_traceable.whole_step.traced_optimizer import TracedOptimizer
 
 
 def test_optimizer_built_before_fully_shard_raises_at_its_first_step(fake_mesh):

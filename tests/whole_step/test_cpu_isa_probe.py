@@ -1,5 +1,5 @@
 """The host's CPU vector ISA probe, recorded by a saving process and taken by a loading
-one (``fsdp_traceable/cpu_isa_probe.py``), against Inductor's own probe."""
+one (``fsdp_traceable/whole_step/cpu_isa_probe.py``), against Inductor's own probe."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pathlib
 import pytest
 import torch
 
-from fsdp_traceable import _torch_patches, cpu_isa_probe
+from fsdp_traceable import _torch_patches
+from fsdp_traceable.whole_step import cpu_isa_probe
 
 cpu_vec_isa = cpu_isa_probe._probe_api()
 pytestmark = pytest.mark.skipif(cpu_vec_isa is None, reason="Inductor probes vector ISAs on x86 only")

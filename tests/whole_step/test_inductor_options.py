@@ -8,8 +8,8 @@ import pytest
 import torch._inductor.config as inductor_config
 
 from fsdp_traceable import inductor_options
-from fsdp_traceable.collectives.inductor_options import OVERLAP_PASSES, SINK_WAITS_ONLY
-from fsdp_traceable.region_schedule import CompiledAutogradOverlap
+from fsdp_traceable.whole_step.inductor_options import OVERLAP_PASSES, SINK_WAITS_ONLY
+from fsdp_traceable.whole_step.region_schedule import CompiledAutogradOverlap
 
 
 def test_every_option_is_an_inductor_config_entry() -> None:

@@ -1,5 +1,5 @@
 """The optimizer's update prepared for tracing into the whole step
-(``fsdp_traceable/traced_optimizer.py``): what it refuses, and the state it creates
+(``fsdp_traceable/whole_step/traced_optimizer.py``): what it refuses, and the state it creates
 against the state eager ``step()`` creates. Its numbers, traced: ``compile_tests/
 test_traced_optimizer.py`` and ``compile_tests/test_whole_step.py``."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from fsdp_traceable.traced_optimizer import TracedOptimizer
+from fsdp_traceable.whole_step.traced_optimizer import TracedOptimizer
 
 
 def _model() -> torch.nn.Module:
