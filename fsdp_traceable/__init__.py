@@ -88,8 +88,10 @@ def __dir__() -> list[str]:
 
 
 if not running_the_command_line():
-    from . import collectives  # noqa: F401  (registers torch.ops.fsdp_traceable)
-    from . import config  # noqa: F401
+    from . import (
+        collectives,  # noqa: F401  (registers torch.ops.fsdp_traceable)
+        config,  # noqa: F401
+    )
 
 __all__ = [
     "AllGatherResult",

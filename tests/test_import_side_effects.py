@@ -22,8 +22,14 @@ import torch
 from fsdp_traceable import _torch_patches
 
 
-def _run(code: str, cwd: Path) -> str:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
+def _run(code: str, cwd: Path, as_module: bool = False) -> str:
+    """Runs ``code`` in a fresh interpreter (``python -c``, or ``python -m`` of a module
+    holding it) and returns its last line of output."""
+    argv = ["-c", textwrap.dedent(code)]
+    if as_module:
+        (cwd / "user_program.py").write_text(textwrap.dedent(code))
+        argv = ["-m", "user_program"]
+    result = subprocess.run([sys.executable, *argv], cwd=cwd,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout.strip().splitlines()[-1]
@@ -125,6 +131,8 @@ def test_import_changes_nothing_of_torch(tmp_path: Path) -> None:
 
 
 def test_import_loads_no_compiler_and_registers_the_ops(tmp_path: Path) -> None:
+    # A user's program run with python -m: only python -m fsdp_traceable defers the
+    # ops (see [Note: the package import and the command line]).
     out = _run("""
         import json, sys
         import torch.distributed.fsdp
@@ -136,7 +144,7 @@ def test_import_loads_no_compiler_and_registers_the_ops(tmp_path: Path) -> None:
             "all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in",
             "reduce_scatter_view_out")]
         print(json.dumps([before, [name for name in heavy if name in sys.modules], ops]))
-    """, tmp_path)
+    """, tmp_path, as_module=True)
     before, after, ops = json.loads(out)
     assert before == [] and after == []
     assert all(ops)
@@ -209,3 +217,19 @@ def test_constant_result_marks_as_dynamo_does() -> None:
     torch._dynamo.assume_constant_result(dynamos)
     constant_result(ours)
     assert vars(ours) == vars(dynamos) != {}
+
+
+def test_every_public_name_is_its_modules_object() -> None:
+    # Read on first use from the module it lives in (the package __init__'s __getattr__).
+    import fsdp_traceable
+    from fsdp_traceable import collectives, fsdp
+    from fsdp_traceable.whole_step import capture
+
+    assert set(fsdp_traceable.__all__) <= set(dir(fsdp_traceable))
+    for name in fsdp_traceable.__all__:
+        assert getattr(fsdp_traceable, name) is not None, name
+    assert fsdp_traceable.fully_shard is fsdp.fully_shard
+    assert fsdp_traceable.compile_step is capture.compile_step
+    assert fsdp_traceable.shard_tensor is collectives.shard_tensor
+    with pytest.raises(AttributeError, match="no attribute 'fullyshard'"):
+        fsdp_traceable.fullyshard  # noqa: B018

@@ -30,9 +30,8 @@ def _run(code: str) -> str:
 
 
 def test_the_parser_builds_and_answers_help_without_torch() -> None:
-    # The package's __init__ imports torch (it re-exports fully_shard), so the cli
-    # package is loaded here under a bare parent package, with torch's import refused:
-    # the parser and --help need nothing of torch.
+    # The cli package is loaded here under a bare parent package, with torch's import
+    # refused: the parser and --help need nothing of torch themselves.
     out = _run(f"""
         import contextlib, io, sys, types
 
@@ -60,19 +59,41 @@ def test_the_parser_builds_and_answers_help_without_torch() -> None:
                          "fsdp_traceable.cli.progress"]
 
 
-@pytest.mark.xfail(strict=True, reason="fsdp_traceable/__init__.py imports torch (and "
-                   "re-exports fully_shard) before python -m fsdp_traceable reaches the parser")
-def test_python_m_fsdp_traceable_help_imports_no_torch() -> None:
-    out = _run("""
-        import runpy, sys
-        sys.argv = ["fsdp_traceable", "train", "--help"]
-        try:
-            runpy.run_module("fsdp_traceable", run_name="__main__")
-        except SystemExit:
-            pass
-        print("torch imported:", "torch" in sys.modules)
-    """)
-    assert "torch imported: False" in out
+# The spellings of the command line: python -m with its flags around it, the package's
+# __main__ named itself, and the installed script.
+COMMAND_LINES = [
+    ["-m", "fsdp_traceable", "--help"],
+    ["-X", "importtime", "-mfsdp_traceable", "train", "--help"],
+    ["-B", "-m", "fsdp_traceable.__main__", "bench", "--help"],
+    *(["-m", "fsdp_traceable", command, "--help"] for command in ("demo", "explain")),
+]
+
+
+def _help_and_imports(argv: list[str]) -> tuple[str, list[str]]:
+    """Runs ``python -X importtime *argv`` as a user starts it: its help text and every
+    module the process imported."""
+    result = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    imported = [line.rpartition("|")[2].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")]
+    return result.stdout, imported
+
+
+@pytest.mark.parametrize("command_line", COMMAND_LINES, ids=" ".join)
+def test_python_m_fsdp_traceable_help_imports_no_torch(command_line: list[str]) -> None:
+    # The package __init__ runs first (see [Note: the package import and the command line]).
+    help_text, imported = _help_and_imports(command_line)
+    assert "fsdp_traceable.cli.main" in imported and "usage: fsdp-traceable" in help_text
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "numpy")]
+
+
+def test_the_installed_script_help_imports_no_torch() -> None:
+    script = Path(sys.executable).with_name("fsdp-traceable")
+    if not script.is_file():
+        pytest.skip("the package is not installed in this interpreter's environment")
+    help_text, imported = _help_and_imports([str(script), "--help"])
+    assert "usage: fsdp-traceable" in help_text
+    assert "fsdp_traceable" in imported and "torch" not in imported
 
 
 @pytest.mark.parametrize("command", COMMANDS)
