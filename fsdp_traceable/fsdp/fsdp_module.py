@@ -57,8 +57,15 @@ class FSDPModule(TorchFSDPModule):
     # MRO: [FSDP<Orig>, this, torch's FSDPModule, Orig, ...]; torch's __new__ builds Orig.
     _orig_cls_mro_index: int = 3
 
-    _fsdp_group: ParamGroup
-    _fsdp_next_groups: list[ParamGroup]
+    # What one fully_shard call built, read from its state (FSDPModuleState), the one
+    # place fully_shard writes it.
+    @property
+    def _fsdp_group(self) -> ParamGroup:
+        return state_of(self).group
+
+    @property
+    def _fsdp_next_groups(self) -> list[ParamGroup]:
+        return state_of(self).next_groups
 
     # -- unsharding ------------------------------------------------------------------
 
@@ -324,7 +331,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: ``fully_shard``-ed modules, typically the next one or two blocks.
         """
-        self._fsdp_next_groups = [m._fsdp_group for m in check_fsdp_modules(modules, FSDPModule)]
+        state_of(self).next_groups = [m._fsdp_group for m in check_fsdp_modules(modules, FSDPModule)]
         self._fsdp_group.configure(explicit_forward_prefetch=bool(modules))
         _log_prefetch("forward", self._fsdp_group, self._fsdp_next_groups)
 

@@ -156,12 +156,10 @@ def fully_shard(
     for owner, names in owner_names.values():
         if id(owner) not in roots:
             swap_class(owner, owner_class(type(owner), tuple(names)))
+    register_state(modules, group)
     for m in modules:
         swap_class(m, fsdp_class(type(m), tuple(owner_names.get(id(m), (None, []))[1])))
-        m._fsdp_group = group
-        m._fsdp_next_groups = []
         forward_regions.register(m)
-    register_state(modules)
     if len(modules) == 1:
         _link_groups(modules[0])
     return module
@@ -302,7 +300,7 @@ def _link_groups(root: FSDPModule) -> None:
     for m in fsdp_modules:
         i = position[id(m._fsdp_group)]
         if not m._fsdp_group.settings.explicit_forward_prefetch:
-            m._fsdp_next_groups = groups[i + 1 : i + 2]
+            state_of(m).next_groups = groups[i + 1 : i + 2]
     for module in activation_checkpointing.inside_checkpoint_wrappers(root, FSDPModule):
         module._fsdp_group.configure(inside_checkpoint_wrapper=True)
     root_state = RootState()

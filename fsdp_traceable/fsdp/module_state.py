@@ -2,12 +2,13 @@
 ``module._get_fsdp_state()`` return, shaped as FSDP2's ``FSDPState`` where torch's own
 code and FSDP2's users read it.
 
-``fully_shard`` builds one :class:`FSDPModuleState` per module, in one place, and stores
-it in the module's ``__dict__`` under torch's composable-API registry key (where torch's
-``contract`` decorator stores FSDP2's), so ``torch.distributed.fsdp.fully_shard.state``
-finds it too. It holds its module weakly and reads everything else from the module's
-parameter group: no state of its own but the ``_lazy_init`` record and the scopes of
-the forward methods torch's ``register_fsdp_forward_method`` wraps.
+``fully_shard`` builds one :class:`FSDPModuleState` per call (shared by the modules of
+a list), in one place, and stores it in the module's ``__dict__`` under torch's
+composable-API registry key (where torch's ``contract`` decorator stores FSDP2's), so
+``torch.distributed.fsdp.fully_shard.state`` finds it too. It holds what FSDP2's state
+holds: the call's parameter group (``FSDPModule._fsdp_group`` reads it here) and the
+groups its forward prefetches, the ``_lazy_init`` record and the scopes of the forward
+methods torch's ``register_fsdp_forward_method`` wraps; it holds its modules weakly.
 
 What it answers, with FSDP2's meaning: ``_pre_forward`` / ``_post_forward`` (around a
 registered forward method), ``_comm_ctx`` (``share_comm_ctx``), ``_is_root``,
@@ -64,18 +65,19 @@ _STATE_FUNC = getattr(torch_fully_shard, "__wrapped__", None)
 _OWN_KEY = "_fsdp_module_state"
 
 
-def register_state(modules: list[nn.Module]) -> FSDPModuleState:
+def register_state(modules: list[nn.Module], group: ParamGroup) -> FSDPModuleState:
     """Builds the :class:`FSDPModuleState` of one ``fully_shard`` call (one for the
     modules of a list) and stores it where ``fully_shard.state`` (ours and torch's)
     finds it.
 
     Args:
         modules: the modules :func:`~fsdp_traceable.fully_shard` was applied to.
+        group: the call's parameter group.
 
     Returns:
         The state.
     """
-    state = FSDPModuleState(modules)
+    state = FSDPModuleState(modules, group)
     for module in modules:
         module.__dict__[_OWN_KEY] = state
         if _STATE_KEY is not None and _STATE_FUNC is not None:
@@ -139,8 +141,13 @@ class FSDPModuleState:
     """One ``fully_shard`` call's state, shaped as FSDP2's ``FSDPState`` (see the module
     docstring). Holds its modules weakly: a module's state never keeps it alive."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], group: ParamGroup) -> None:
         self._modules = [weakref.ref(m) for m in modules]
+        # FSDP2's _fsdp_param_group: the call's parameters, settings and life cycle.
+        self.group = group
+        # FSDP2's _states_to_forward_prefetch, as groups: what this call's forward
+        # all-gathers ahead (the next group in module order, or as set explicitly).
+        self.next_groups: list[ParamGroup] = []
         # Whether _lazy_init ran on it, and as the root of what it initialized.
         self._lazy_initialized = False
         # The scopes of the registered forward methods running now (they nest).
@@ -154,7 +161,7 @@ class FSDPModuleState:
 
     @property
     def _group(self) -> ParamGroup:
-        return self._owner()._fsdp_group
+        return self.group
 
     # -- torch's register_fsdp_forward_method ---------------------------------------------
 
