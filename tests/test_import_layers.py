@@ -22,7 +22,7 @@ ROOT = Path(fsdp_traceable.__file__).parent
 # name (``whole_step.<module>``), the package's lazy ``__init__`` by ``whole_step``.
 LAYERS: list[tuple[str, ...]] = [
     ("config", "sizes", "tracing", "fx_ops", "_torch_patches", "profiler_labels",
-     "_source_tree", "_command_line", "whole_step.region_schedule", "whole_step.cpu_isa_probe",
+     "_source_tree", "_command_line", "traced_errors", "whole_step.region_schedule", "whole_step.cpu_isa_probe",
      "whole_step.inductor_options"),
     ("triton_kernels",),  # the top-level triton_kernels/ folder, imported under the package
     ("collectives", "whole_step.copy_regions"),
@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fsdp", "", "whole_step", "whole_step.capture", "whole_step.step_cache",
      "whole_step.traced_optimizer"),
     ("models",),
+    ("plan",),  # the planner: fsdp and models on fake tensors
     ("introspection",),
     ("testing",),
     ("cli", "__main__"),

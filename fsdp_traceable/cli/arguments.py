@@ -160,3 +160,76 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
                              "compile_step, torch 2.11+) instead of compiled autograd")
     parser.add_argument("--aot-eager", action="store_true",
                         help="stop after AOTAutograd (faster; no generated code)")
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """One ``plan`` run's settings; the flags' defaults."""
+
+    model: str = "transformer"
+    world_size: int = 8
+    tp: int = 1
+    pp: int = 1
+    param_dtype: str = "bf16"
+    reduce_dtype: str = "fp32"
+    reshard_after_forward: str = "true"
+    ac: str = "none"
+    batch_size: int = 1
+    seq_len: int = 2048
+    optimizer: str = "adamw"
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    vocab_size: int = 256
+    full_trace: bool = False
+    json: bool = False
+    gpu: str | None = None
+    plot: str | None = None
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``plan`` subcommand's options to ``parser``."""
+    defaults = PlanArgs()
+    parser.add_argument("--model", default=defaults.model,
+                        help="transformer (the built-in model, sized by --dim/--layers/--heads/"
+                             "--vocab-size), llama3-8b|llama3-70b|llama3-405b (torchtitan), "
+                             "a Hugging Face config.json path or model name known offline, "
+                             "or module:function returning an nn.Module")
+    parser.add_argument("--world-size", type=int, default=defaults.world_size,
+                        help="ranks in all (data parallel x --tp); none are started")
+    parser.add_argument("--tp", type=int, default=defaults.tp,
+                        help="tensor-parallel degree: a (dp, tp) mesh as train and torchtitan "
+                             "build it, fully_shard on dp")
+    parser.add_argument("--pp", type=int, default=defaults.pp,
+                        help="pipeline-parallel degree (only 1: not supported by plan yet)")
+    parser.add_argument("--param-dtype", choices=["fp32", "bf16"], default=defaults.param_dtype,
+                        help="MixedPrecisionPolicy.param_dtype: the unsharded parameters' and "
+                             "compute's dtype (sharded parameters stay fp32)")
+    parser.add_argument("--reduce-dtype", choices=["fp32", "bf16"],
+                        default=defaults.reduce_dtype,
+                        help="MixedPrecisionPolicy.reduce_dtype of the gradient reduction")
+    parser.add_argument("--reshard-after-forward", choices=["true", "false"],
+                        default=defaults.reshard_after_forward,
+                        help="fully_shard(reshard_after_forward=...) of every block")
+    parser.add_argument("--ac", choices=["none", "full", "selective"], default=defaults.ac,
+                        help="activation checkpointing of every block (selective: keep matmul "
+                             "and attention outputs)")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help="sequences per data-parallel rank and step")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer,
+                        help="the optimizer (foreach updates, as on a GPU)")
+    for name, help_text in {"dim": "built-in transformer: width", "layers": "built-in "
+                            "transformer: blocks", "heads": "built-in transformer: heads",
+                            "vocab_size": "built-in transformer or module:function: "
+                            "vocabulary size"}.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int,
+                            default=getattr(defaults, name), help=help_text)
+    parser.add_argument("--full-trace", action="store_true",
+                        help="trace every block instead of 2 and 3 blocks extrapolated to the "
+                             "model's depth")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--gpu", choices=["h100", "h200", "b200"], default=None,
+                        help="estimate the step time on this GPU (datasheet peaks)")
+    parser.add_argument("--plot", default=None,
+                        help="write the memory over the traced step to this PNG (matplotlib)")

@@ -1,8 +1,10 @@
-"""Command line: ``python -m fsdp_traceable {train,bench,demo,explain}``.
+"""Command line: ``python -m fsdp_traceable {train,bench,demo,explain,plan}``.
 
 * ``train``: trains the built-in transformer with ``fully_shard`` (:mod:`.train`).
 * ``bench``: step time and memory of every mode next to torch FSDP2 (:mod:`.bench`).
 * ``demo``: all-gathers and reduces a bucket on local gloo ranks (:mod:`.demo`).
+* ``plan``: a step's per-rank memory and communication at any world size, traced on
+  fake tensors (:mod:`.plan`).
 * ``explain``: compiles a train step on a fake process group and reports its graphs
   (:mod:`.explain`).
 """
@@ -16,6 +18,7 @@ from .arguments import (
     HelpFormatter,
     add_bench_arguments,
     add_explain_arguments,
+    add_plan_arguments,
     add_train_arguments,
 )
 from .bench_output import add_output_arguments
@@ -45,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_explain_arguments(explain)
+    plan = commands.add_parser(
+        "plan", help="per-rank memory and per-step communication at any world size, traced "
+                     "on fake tensors", formatter_class=HelpFormatter)
+    add_plan_arguments(plan)
     return parser
 
 
@@ -59,6 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     started = process_start_time()
+    if args.command == "plan":
+        say(f"plan: {args.model} on {args.world_size} fake ranks; loading torch", started)
+        from .plan import run_plan_command
+
+        return run_plan_command(args, started)
     if args.command == "explain":
         say("explain: loading the compiler", started)
         from .explain import run_explain_command

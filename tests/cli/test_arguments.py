@@ -15,7 +15,7 @@ from fsdp_traceable.cli import arguments
 from fsdp_traceable.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("demo", "train", "bench", "explain")
+COMMANDS = ("demo", "train", "bench", "explain", "plan")
 HELP_ARGVS = [["--help"], *([command, "--help"] for command in COMMANDS)]
 
 
@@ -133,5 +133,12 @@ def test_explain_defaults_are_the_demo_model() -> None:
 def test_train_args_defaults_are_the_flags_defaults() -> None:
     parsed = vars(build_parser().parse_args(["train"]))
     defaults = arguments.TrainArgs()
+    assert {k: v for k, v in parsed.items() if k != "command"} == {
+        k: getattr(defaults, k) for k in parsed if k != "command"}
+
+
+def test_plan_args_defaults_are_the_flags_defaults() -> None:
+    parsed = vars(build_parser().parse_args(["plan"]))
+    defaults = arguments.PlanArgs()
     assert {k: v for k, v in parsed.items() if k != "command"} == {
         k: getattr(defaults, k) for k in parsed if k != "command"}

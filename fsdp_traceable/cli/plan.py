@@ -1,0 +1,91 @@
+"""``python -m fsdp_traceable plan``: a step's per-rank memory and communication at any
+world size, traced on one CPU with fake tensors and a fake process group
+(:mod:`fsdp_traceable.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from ..plan.extrapolate import Plan, make_plan
+from ..plan.models import ShardSettings, model_source
+from ..plan.report import GIB, format_plan, plan_json
+from ..plan.trace import Workload
+from .arguments import PlanArgs
+from .progress import say
+
+
+def plan_args_from(namespace: argparse.Namespace) -> PlanArgs:
+    """The parsed flags, checked."""
+    fields = PlanArgs.__dataclass_fields__
+    args = PlanArgs(**{k: v for k, v in vars(namespace).items() if k in fields})
+    if args.pp != 1:
+        raise NotImplementedError("--pp: pipeline parallelism is not supported by plan yet; "
+                                  "plan one stage's blocks as a model with --pp 1")
+    if args.tp < 1 or args.world_size % args.tp:
+        raise ValueError(f"--tp {args.tp} must be at least 1 and divide --world-size "
+                         f"{args.world_size}")
+    for name in ("batch_size", "seq_len", "world_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def plan_for(args: PlanArgs) -> Plan:
+    """Builds, traces and extrapolates the plan of ``args``."""
+    source = model_source(args.model, layers=args.layers, dim=args.dim, heads=args.heads,
+                          vocab_size=args.vocab_size, seq_len=args.seq_len)
+    settings = ShardSettings(tp=args.tp, param_dtype=args.param_dtype,
+                             reduce_dtype=args.reduce_dtype,
+                             reshard_after_forward=args.reshard_after_forward == "true",
+                             ac=args.ac)
+    workload = Workload(batch_size=args.batch_size, seq_len=args.seq_len,
+                        optimizer=args.optimizer)
+    return make_plan(source, args.world_size, settings, workload, full_trace=args.full_trace)
+
+
+def setup_of(args: PlanArgs) -> dict:
+    """The set-up a report names."""
+    keys = ("model", "world_size", "tp", "param_dtype", "reduce_dtype",
+            "reshard_after_forward", "ac", "batch_size", "seq_len", "optimizer")
+    setup = {k: v for k, v in asdict(args).items() if k in keys}
+    setup["dp"] = args.world_size // args.tp
+    return setup
+
+
+def write_plot(plan: Plan, path: str, title: str) -> None:
+    """The deepest traced step's memory over its allocations, phases marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib, which is not installed: pip install "
+                           "matplotlib, or leave out --plot") from None
+    figure, axes = plt.subplots(figsize=(8, 4))
+    axes.plot([b / GIB for b in plan.timeline])
+    for index, phase in plan.phase_starts:
+        axes.axvline(index, color="grey", linestyle=":")
+        axes.text(index, 0, f" {phase}", rotation=90, va="bottom")
+    axes.set_xlabel("allocation or free")
+    axes.set_ylabel("GiB alive on rank 0")
+    axes.set_title(f"{title} ({plan.traced_depths[-1]} blocks traced)")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def run_plan_command(namespace: argparse.Namespace, started: float) -> int:
+    """Runs ``plan`` and prints its table (or JSON)."""
+    args = plan_args_from(namespace)
+    say("building the model on meta and tracing its step on fake tensors", started)
+    plan = plan_for(args)
+    setup = setup_of(args)
+    if args.plot:
+        write_plot(plan, args.plot, args.model)
+    if args.json:
+        print(json.dumps(plan_json(plan, setup, args.gpu), indent=1))
+    else:
+        print(format_plan(plan, setup, args.gpu))
+    return 0

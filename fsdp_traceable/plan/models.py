@@ -1,0 +1,315 @@
+"""The models a plan can build on the meta device, and how each is parallelized.
+
+Each :class:`ModelSource` builds its model with any number of its identical blocks
+(:meth:`ModelSource.build`), so a plan can trace a shallow copy and extrapolate to the
+real depth (:mod:`.extrapolate`), and applies the same recipe as training would:
+
+- ``transformer``: the built-in model, ``train``'s recipe (tensor parallel with
+  :func:`~fsdp_traceable.models.transformer.parallelize_transformer` on ``mesh["tp"]``,
+  ``fully_shard`` per block then the root on ``mesh["dp"]``).
+- ``llama3-8b|70b|405b``: torchtitan's Llama 3 flavour and torchtitan's own
+  ``parallelize_llama`` (tensor + sequence parallel, activation checkpointing,
+  ``fully_shard`` per block, embedding, ``[norm, output]`` and root) with this
+  package's ``fully_shard`` in place of torch's. Attention is torchtitan's SDPA module
+  (its default FlexAttention has no CPU path; both save the same per-head statistics).
+- a Hugging Face ``config.json`` path or model name (offline only): the causal LM built
+  from its config, ``fully_shard`` per decoder layer then the root.
+- ``module:function``: any function returning an ``nn.Module``; ``fully_shard`` per
+  child of its longest ``nn.ModuleList`` then the root, traced at full depth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ..fsdp import fully_shard
+from ..models.transformer import Transformer, TransformerConfig, parallelize_transformer
+
+__all__ = ["LLAMA3_FLAVOURS", "ModelSource", "ShardSettings", "model_source"]
+
+LLAMA3_FLAVOURS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3-405b": "405B"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """How the model is parallelized: the plan's set-up flags."""
+
+    tp: int = 1
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    reshard_after_forward: bool = True
+    ac: str = "none"  # "none", "full" or "selective"
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=_DTYPES[self.param_dtype],
+                                    reduce_dtype=_DTYPES[self.reduce_dtype])
+
+
+@dataclass
+class ModelSource:
+    """One model kind: how to build it at a depth, parallelize it and take its loss.
+
+    Attributes:
+        name: what the report calls the model.
+        depth: the real number of identical blocks.
+        vocab_size: token ids are drawn below it.
+        build: ``build(depth)``: the model with ``depth`` blocks, on the meta device.
+        parallelize: ``parallelize(model, world_size, settings)``: tensor parallel,
+            activation checkpointing and ``fully_shard``, in the model's recipe.
+        loss: ``loss(model, tokens, targets)``: the scalar loss.
+        extrapolable: whether the blocks are identical (a shallow trace stands for all).
+        step_context: the context forward and backward run in (torchtitan's
+            ``loss_parallel`` for a vocabulary-sharded output).
+    """
+
+    name: str
+    depth: int
+    vocab_size: int
+    build: Callable[[int], nn.Module]
+    parallelize: Callable[[nn.Module, int, ShardSettings], nn.Module]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    extrapolable: bool = True
+    step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def model_source(model: str, *, layers: int = 4, dim: int = 128, heads: int = 4,
+                 vocab_size: int = 256, seq_len: int = 64) -> ModelSource:
+    """The :class:`ModelSource` named by ``--model``.
+
+    Args:
+        model: ``transformer``, ``llama3-8b|70b|405b``, a ``config.json`` path or Hugging
+            Face model name, or ``module:function``.
+        layers, dim, heads, vocab_size, seq_len: the built-in transformer's sizes.
+
+    Raises:
+        ValueError: ``model`` names nothing known (no such file, no offline config).
+    """
+    if model == "transformer":
+        return _builtin(TransformerConfig(vocab_size=vocab_size, dim=dim, n_layers=layers,
+                                          n_heads=heads, max_seq_len=seq_len))
+    if model in LLAMA3_FLAVOURS:
+        return _llama3(LLAMA3_FLAVOURS[model])
+    if ":" in model and not os.path.exists(model):
+        return _user_function(model, vocab_size)
+    return _hugging_face(model)
+
+
+# -- shared recipe pieces ---------------------------------------------------------------
+
+
+def _dp_tp_meshes(world_size: int, tp: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    if tp == 1:
+        return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)), None
+    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective AC: keep matmul and attention outputs, recompute the rest."""
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def _checkpointed(block: nn.Module, ac: str) -> nn.Module:
+    """``checkpoint_wrapper(block)`` for ``--ac full|selective`` (torchtitan's order:
+    wrap, then ``fully_shard`` the wrapper)."""
+    if ac == "none":
+        return block
+    if ac == "selective":
+        return checkpoint_wrapper(block, context_fn=_selective_context)
+    return checkpoint_wrapper(block)
+
+
+def _shard_blocks(model: nn.Module, blocks: nn.ModuleList, world_size: int,
+                  settings: ShardSettings) -> nn.Module:
+    if settings.tp > 1:
+        raise NotImplementedError(
+            "--tp > 1 is supported by plan for --model transformer and llama3-* only: "
+            "this model has no tensor-parallel plan here")
+    dp_mesh, _ = _dp_tp_meshes(world_size, 1)
+    for index, block in enumerate(blocks):
+        blocks[index] = _checkpointed(block, settings.ac)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=settings.mp_policy,
+                    reshard_after_forward=settings.reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=settings.mp_policy)  # the root keeps its own
+    return model
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# -- the models -------------------------------------------------------------------------
+
+
+def _builtin(config: TransformerConfig) -> ModelSource:
+    def build(depth: int) -> nn.Module:
+        with torch.device("meta"):
+            return Transformer(TransformerConfig(**{**config.__dict__, "n_layers": depth}))
+
+    def parallelize(model: nn.Module, world_size: int, settings: ShardSettings) -> nn.Module:
+        dp_mesh, tp_mesh = _dp_tp_meshes(world_size, settings.tp)
+        if tp_mesh is not None:
+            parallelize_transformer(model, tp_mesh)
+        for index, block in enumerate(model.layers):
+            model.layers[index] = _checkpointed(block, settings.ac)
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh, mp_policy=settings.mp_policy,
+                        reshard_after_forward=settings.reshard_after_forward)
+        # The root keeps fully_shard's default (it does not reshard after forward).
+        fully_shard(model, mesh=dp_mesh, mp_policy=settings.mp_policy)
+        return model
+
+    return ModelSource(f"transformer (dim {config.dim}, {config.n_layers} blocks)",
+                       config.n_layers, config.vocab_size, build, parallelize,
+                       lambda model, tokens, targets: model.loss(tokens, targets))
+
+
+def _llama3(flavour: str) -> ModelSource:
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import llama3_configs
+
+    base = llama3_configs[flavour](attn_backend="flex")
+
+    def config_at(depth: int) -> Any:
+        config = llama3_configs[flavour](attn_backend="flex")
+        config.layers = config.layers[:depth]
+        for layer in config.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        return config
+
+    def build(depth: int) -> nn.Module:
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        config = config_at(depth)
+        set_llama3_sharding_config(config, enable_sp=True)
+        with torch.device("meta"):
+            return config.build()
+
+    def parallelize(model: nn.Module, world_size: int, settings: ShardSettings) -> nn.Module:
+        import torchtitan.distributed.fsdp as titan_fsdp
+        import torchtitan.distributed.parallel_dims as titan_parallel_dims
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+        from torchtitan.models.llama3 import parallelize_llama
+
+        parallelism = ParallelismConfig(
+            data_parallel_shard_degree=world_size // settings.tp,
+            tensor_parallel_degree=settings.tp, spmd_backend="partial_dtensor",
+            fsdp_reshard_after_forward="always" if settings.reshard_after_forward else "never")
+        names = {"fp32": "float32", "bf16": "bfloat16"}
+        if settings.reduce_dtype != "fp32":
+            raise ValueError("--model llama3-*: torchtitan reduces gradients in fp32 only; "
+                             "pass --reduce-dtype fp32")
+        training = TrainingConfig(mixed_precision_param=names[settings.param_dtype],
+                                  mixed_precision_reduce="float32")
+        with mock.patch.object(titan_parallel_dims, "device_type", "cpu"):
+            parallel_dims = ParallelDims.from_config(parallelism, world_size)
+            parallel_dims.build_mesh()
+        ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}
+        with mock.patch.object(titan_fsdp, "fully_shard", fully_shard):
+            return parallelize_llama(model, parallel_dims=parallel_dims, training=training,
+                                     parallelism=parallelism,
+                                     compile_config=CompileConfig(enable=False),
+                                     ac_config=ac[settings.ac], dump_folder="")
+
+    def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        return _cross_entropy(model(tokens, positions=positions), targets)
+
+    # torchtitan's loss parallel: with tensor parallel the output is sharded on the
+    # vocabulary, and the loss (forward and backward) runs on the shards.
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return ModelSource(f"Llama 3 {flavour} (torchtitan)", len(base.layers), base.vocab_size,
+                       build, parallelize, loss, step_context=loss_parallel)
+
+
+def _hugging_face(name: str) -> ModelSource:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if os.path.isfile(name):
+        with open(name) as f:
+            raw = json.load(f)
+        config = AutoConfig.for_model(**raw)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"--model {name!r} is not a file, a built-in model (transformer, "
+                f"{', '.join(LLAMA3_FLAVOURS)}), a module:function, nor a Hugging Face "
+                f"config available offline ({err}); pass the path of its config.json") from None
+    depth = config.num_hidden_layers
+
+    def build(layers: int) -> nn.Module:
+        shallow = type(config).from_dict({**config.to_dict(), "num_hidden_layers": layers})
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(shallow)
+
+    def parallelize(model: nn.Module, world_size: int, settings: ShardSettings) -> nn.Module:
+        return _shard_blocks(model, _decoder_layers(model), world_size, settings)
+
+    def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _cross_entropy(model(input_ids=tokens).logits, targets)
+
+    return ModelSource(f"{getattr(config, 'model_type', 'hf')} ({name})", depth,
+                       config.vocab_size, build, parallelize, loss)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The longest ``nn.ModuleList`` of ``model``: its repeated blocks."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to "
+                         "fully_shard one by one")
+    return max(lists, key=len)
+
+
+def _user_function(spec: str, vocab_size: int) -> ModelSource:
+    module_name, _, function_name = spec.partition(":")
+    factory = getattr(importlib.import_module(module_name), function_name)
+
+    def build(depth: int) -> nn.Module:
+        with torch.device("meta"):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"--model {spec}: returned {type(model).__name__}, not an nn.Module")
+        return model
+
+    def parallelize(model: nn.Module, world_size: int, settings: ShardSettings) -> nn.Module:
+        return _shard_blocks(model, _decoder_layers(model), world_size, settings)
+
+    def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if hasattr(model, "loss"):
+            return model.loss(tokens, targets)
+        return _cross_entropy(model(tokens), targets)
+
+    return ModelSource(spec, 0, vocab_size, build, parallelize, loss, extrapolable=False)

@@ -1,0 +1,260 @@
+"""What one training step allocates and communicates, recorded op by op.
+
+:class:`StepRecorder` is a ``TorchDispatchMode`` under which a step runs (on fake
+tensors for a plan, on real ones to check a plan). It sees every aten op after tensor
+subclasses such as DTensor unwrapped it, so it sees each storage the step creates and
+each collective it issues:
+
+- memory: every new storage of a plain (or fake) tensor is one allocation, freed when
+  Python drops the storage (a weak reference's callback), as torch's ``MemTracker``
+  counts; the running total and its peak are what the CPU allocator's counters would
+  show for the same step;
+- collectives: each c10d (eager ``fully_shard``) and functional (tensor parallel,
+  traced) all-gather, reduce-scatter and all-reduce, with its buffer's bytes and the
+  ranks of its group, attributed to the ``fully_shard`` group whose code issued it
+  (read from the Python stack) or to the compute (tensor parallel).
+
+[Note: plan memory categories]
+Each allocation is labelled when it is made: by the phase the step is in (forward,
+backward, optimizer, set by the caller with :meth:`StepRecorder.phase`) and by the
+code that makes it: a ``fully_shard`` all-gather (unsharded parameters) or gradient
+reduction (reduce-scatter buffers). Tensors alive before the step are parameters,
+optimizer state or other persistent state. After the step the storages that became
+the sharded gradients are relabelled as such. Activations are the tensors made in
+forward that are still alive (at the start of backward: what autograd saved).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Allocation", "Collective", "StepRecorder"]
+
+PARAMS, OPTIMIZER, PERSISTENT = "parameters", "optimizer state", "other persistent"
+GRADIENTS, UNSHARDED, REDUCTION = "gradients", "unsharded parameters", "gradient reduction"
+ACTIVATIONS, BACKWARD, OPTIMIZER_TEMP = "activations", "backward temporaries", \
+    "optimizer temporaries"
+CATEGORIES = (PARAMS, OPTIMIZER, GRADIENTS, UNSHARDED, ACTIVATIONS, REDUCTION, BACKWARD,
+              OPTIMIZER_TEMP, PERSISTENT)
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+# Collective ops -> kind; the output (all-gather) or input (reduce-scatter) is the
+# unsharded buffer whose bytes a plan reports.
+_COLLECTIVES = {
+    "c10d._allgather_base_": "all-gather", "c10d.allgather_into_tensor_coalesced_": "all-gather",
+    "c10d._reduce_scatter_base_": "reduce-scatter",
+    "c10d.reduce_scatter_tensor_coalesced_": "reduce-scatter",
+    "c10d.allreduce_": "all-reduce",
+    "_c10d_functional.all_gather_into_tensor": "all-gather",
+    "_c10d_functional.reduce_scatter_tensor": "reduce-scatter",
+    "_c10d_functional.all_reduce": "all-reduce",
+}
+# The package's files whose frames mark who allocates (see [Note: plan memory categories]).
+_GATHER_FILES = ("fsdp_traceable/fsdp/group_all_gather.py",
+                 "fsdp_traceable/collectives/all_gather.py")
+_REDUCE_FILES = ("fsdp_traceable/fsdp/gradient_reduction.py",
+                 "fsdp_traceable/collectives/reduce.py")
+_GROUP_FILE = "fsdp_traceable/fsdp/param_group.py"
+_TENSOR_PARALLEL = "tensor parallel (compute)"
+
+
+@dataclass
+class Allocation:
+    """One storage the step made (or found alive at its start)."""
+
+    nbytes: int
+    category: str
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective the step issued.
+
+    Attributes:
+        kind: ``"all-gather"``, ``"reduce-scatter"`` or ``"all-reduce"``.
+        group: the ``fully_shard`` group (its module's path, ``""`` the root) or
+            ``"tensor parallel (compute)"``.
+        nbytes: the unsharded buffer: an all-gather's output, a reduce-scatter's input,
+            an all-reduce's tensor.
+        ranks: the size of the process group it ran on.
+        phase: the step's phase when it was issued.
+    """
+
+    kind: str
+    group: str
+    nbytes: int
+    ranks: int
+    phase: str
+
+
+@dataclass
+class StepRecorder(TorchDispatchMode):
+    """Records a step's allocations and collectives (see the module docstring).
+
+    Use :meth:`adopt` for the tensors alive before the step, then run the step under the
+    recorder, marking phases with :meth:`phase`.
+    """
+
+    collectives: list[Collective] = field(default_factory=list)
+    current: int = 0
+    peak: int = 0
+    _phase: str = "setup"
+    _live: dict[int, tuple[weakref.ref, Allocation]] = field(default_factory=dict)
+    # (+1 or -1, allocation) in order, to rebuild what was alive at any peak.
+    _events: list[tuple[int, Allocation]] = field(default_factory=list)
+    _peak_event: int = 0
+    phase_peaks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _phase_peak_events: dict[str, int] = field(default_factory=dict)
+    # (event index, phase) where each phase began: the plot's marks.
+    phase_starts: list[tuple[int, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    # -- memory -------------------------------------------------------------------------
+
+    def adopt(self, tensors: Iterator[torch.Tensor], category: str) -> None:
+        """Counts the storages of ``tensors`` (alive before the step) as ``category``."""
+        for tensor in tensors:
+            self._track(tensor, category)
+
+    def relabel(self, tensors: Iterator[torch.Tensor], category: str) -> None:
+        """Moves the storages of ``tensors`` (e.g. the sharded gradients) to ``category``."""
+        for tensor in tensors:
+            for local in _locals(tensor):
+                entry = self._live.get(local.untyped_storage()._cdata)
+                if entry is not None:
+                    entry[1].category = category
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Labels what the body allocates and issues with phase ``name``."""
+        previous, self._phase = self._phase, name
+        self.phase_starts.append((len(self._events), name))
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def alive_at_peak(self, phase: str | None = None) -> Counter:
+        """Bytes by category alive at the step's peak (or at ``phase``'s peak)."""
+        end = self._peak_event if phase is None else self._phase_peak_events.get(phase, 0)
+        alive: dict[int, Allocation] = {}
+        for sign, allocation in self._events[:end]:
+            if sign > 0:
+                alive[id(allocation)] = allocation
+            else:
+                alive.pop(id(allocation), None)
+        by_category: Counter = Counter()
+        for allocation in alive.values():
+            by_category[allocation.category] += allocation.nbytes
+        return by_category
+
+    def timeline(self) -> list[int]:
+        """Bytes alive after each allocation and free, in order."""
+        current, points = 0, []
+        for sign, allocation in self._events:
+            current += sign * allocation.nbytes
+            points.append(current)
+        return points
+
+    def _track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        for local in _locals(tensor):
+            storage = local.untyped_storage()
+            key = storage._cdata
+            if key in self._live or storage.nbytes() == 0:
+                continue
+            allocation = Allocation(storage.nbytes(), category or self._category())
+            self._live[key] = (weakref.ref(storage, self._freed_callback(key, allocation)),
+                               allocation)
+            self._events.append((1, allocation))
+            self.current += allocation.nbytes
+            if self.current > self.peak:
+                self.peak, self._peak_event = self.current, len(self._events)
+            if self.current > self.phase_peaks[self._phase]:
+                self.phase_peaks[self._phase] = self.current
+                self._phase_peak_events[self._phase] = len(self._events)
+
+    def _freed_callback(self, key: int, allocation: Allocation):
+        def freed(_: weakref.ref) -> None:
+            entry = self._live.get(key)
+            if entry is not None and entry[1] is allocation:
+                del self._live[key]
+                self._events.append((-1, allocation))
+                self.current -= allocation.nbytes
+        return freed
+
+    def _category(self) -> str:
+        frame = sys._getframe(3)
+        while frame is not None:
+            filename = frame.f_code.co_filename.replace("\\", "/")
+            if filename.endswith(_GATHER_FILES):
+                return UNSHARDED
+            if filename.endswith(_REDUCE_FILES):
+                return REDUCTION
+            frame = frame.f_back
+        return {"forward": ACTIVATIONS, "backward": BACKWARD,
+                "optimizer": OPTIMIZER_TEMP}.get(self._phase, PERSISTENT)
+
+    # -- collectives --------------------------------------------------------------------
+
+    def _record_collective(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
+        kind = _COLLECTIVES[name]
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        nbytes = max(t.numel() * t.element_size() for t in tensors)
+        self.collectives.append(Collective(kind, _issuing_group(), nbytes,
+                                           _group_size(args, kwargs), self._phase))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.replace("::", ".")
+        if name in _COLLECTIVES:
+            self._record_collective(name, args, kwargs, out)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and type(tensor) in _PLAIN:
+                self._track(tensor)
+        return out
+
+
+def _locals(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s data (a DTensor's local tensor)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return [local] if type(local) in _PLAIN else []
+
+
+def _issuing_group() -> str:
+    """The ``fully_shard`` group whose code is on the stack, else the compute."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_GROUP_FILE):
+            owner = frame.f_locals.get("self")
+            if owner is not None and hasattr(owner, "name"):
+                return owner.name or "(root)"
+        frame = frame.f_back
+    return _TENSOR_PARALLEL
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, str):  # a functional collective's group name
+            try:
+                return dist.distributed_c10d._resolve_process_group(arg).size()
+            except Exception:  # noqa: BLE001 - not a group name
+                continue
+        if isinstance(arg, torch._C.ScriptObject):  # a c10d op's ProcessGroup
+            return dist.ProcessGroup.unbox(arg).size()
+        if isinstance(arg, dist.ProcessGroup):
+            return arg.size()
+    return 1

@@ -1,0 +1,35 @@
+"""``python -m fsdp_traceable plan``: its JSON, the tensor-parallel set-up, and its
+refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_traceable.cli.main import main
+
+SMALL = ["plan", "--layers", "2", "--dim", "32", "--heads", "4", "--vocab-size", "64",
+         "--seq-len", "16", "--batch-size", "2"]
+
+
+def test_plan_json_reports_memory_and_collectives_per_group(capsys) -> None:
+    assert main([*SMALL, "--world-size", "4", "--tp", "2", "--json", "--gpu", "h100"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    memory = report["memory_per_rank_bytes"]
+    assert memory["peak"] >= memory["parameters"] + memory["optimizer_state"] > 0
+    groups = {(c["group"], c["kind"]) for c in report["collectives_per_step"]}
+    # fully_shard on dp (2 ranks) per block and root; tensor parallel's all-reduces on tp.
+    assert {("layers.*", "all-gather"), ("layers.*", "reduce-scatter"),
+            ("(root)", "reduce-scatter")} <= groups
+    assert any(c["kind"] == "all-reduce" and c["group"].startswith("tensor parallel")
+               for c in report["collectives_per_step"])
+    assert {c["ranks"] for c in report["collectives_per_step"]} == {2}
+    assert report["estimate"]["step_s"] > 0
+
+
+def test_plan_refuses_pipeline_parallel_and_a_tp_that_does_not_divide() -> None:
+    with pytest.raises(NotImplementedError, match="not supported by plan yet"):
+        main([*SMALL, "--pp", "2"])
+    with pytest.raises(ValueError, match="--tp 3"):
+        main([*SMALL, "--world-size", "4", "--tp", "3"])
