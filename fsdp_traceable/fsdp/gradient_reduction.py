@@ -16,6 +16,7 @@ import torch
 from ..collectives import comm
 from ..collectives.reduce import PendingReduce, start_foreach_reduce
 from ..profiler_labels import phase
+from ..traced_errors import raise_not_implemented
 
 if TYPE_CHECKING:
     from .group_params import GroupParams
@@ -64,7 +65,9 @@ def gradients_to_reduce(
         for i, earlier in accumulated.items():
             grads[i] = grads[i] + earlier if i in grads else earlier
     if not settings.requires_gradient_sync and comm.use_traced_path():
-        raise NotImplementedError(
+        # Under fullgraph=True too, this message is what the user reads first (see
+        # [Note: errors raised while Dynamo traces]).
+        raise_not_implemented(
             "set_requires_gradient_sync(False) keeps unsharded gradients across "
             "backward calls, which a compiled backward cannot hold; accumulate "
             "with gradient sync on, or run the no-sync microbatches' backward "

@@ -142,15 +142,15 @@ def one_block_model() -> Iterator[Transformer]:
 
 
 def test_no_sync_under_compiled_backward_raises_naming_the_workaround(one_block_model):
-    """Dynamo reports an exception raised while tracing as ``Unsupported``, here with
-    our ``NotImplementedError`` and its text as the cause; it is raised while the
-    forward is compiled (Dynamo traces the backward with it), before any collective."""
+    """Raised while the forward is compiled with ``fullgraph=True`` (Dynamo traces the
+    backward with it), before any collective: our ``NotImplementedError``, its message
+    the first line (not Dynamo's "Observed exception"; see [Note: errors raised while
+    Dynamo traces])."""
     one_block_model.set_requires_gradient_sync(False)
-    with pytest.raises(torch._dynamo.exc.Unsupported) as raised:
+    with pytest.raises(NotImplementedError) as raised:
         loss = loss_fn(one_block_model, MODE)(*batch(0, 0, 2, ONE_BLOCK))
         with backward_context(MODE)():
             loss.backward()
-    message = str(raised.value)
-    assert "NotImplementedError" in message
-    assert "set_requires_gradient_sync(False) keeps unsharded gradients" in message
-    assert "run the no-sync microbatches' backward eagerly" in message
+    first_line = str(raised.value).splitlines()[0]
+    assert first_line.startswith("set_requires_gradient_sync(False) keeps unsharded gradients")
+    assert "run the no-sync microbatches' backward eagerly" in first_line
