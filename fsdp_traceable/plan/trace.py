@@ -149,15 +149,19 @@ def trace_step(source: ModelSource, depth: int, world_size: int, settings: Shard
             shape = (workload.batch_size, workload.seq_len)
             tokens = torch.randint(0, source.vocab_size, shape)
             targets = torch.randint(0, source.vocab_size, shape)
-            run_step(model, source, optimizer, tokens, targets)  # creates optimizer state
+            # The first step creates the optimizer state; its FLOPs are every step's. The
+            # flop counter's module hooks keep an activation-checkpointed block's
+            # recomputed tensors alive, so it stays off the recorded step.
+            flop_counter = FlopCounterMode(display=False)
+            with flop_counter:
+                run_step(model, source, optimizer, tokens, targets)
             recorder = StepRecorder()
             recorder.adopt(model.parameters(), PARAMS)
             recorder.adopt(_optimizer_tensors(optimizer), OPTIMIZER)
             recorder.adopt(model.buffers(), PERSISTENT)
             recorder.adopt((tokens, targets), PERSISTENT)
             baseline_bytes = recorder.current
-            flop_counter = FlopCounterMode(display=False)
-            with recorder, flop_counter:
+            with recorder:
                 gradient_bytes = run_step(model, source, optimizer, tokens, targets, recorder)
         params_bytes = _storage_bytes(model.parameters())
         optimizer_bytes = _storage_bytes(_optimizer_tensors(optimizer))
