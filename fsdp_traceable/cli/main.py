@@ -1,4 +1,4 @@
-"""Command line: ``python -m fsdp_traceable {train,bench,demo,explain,plan}``.
+"""Command line: ``python -m fsdp_traceable {train,bench,demo,explain,plan,doctor}``.
 
 * ``train``: trains the built-in transformer with ``fully_shard`` (:mod:`.train`).
 * ``bench``: step time and memory of every mode next to torch FSDP2 (:mod:`.bench`).
@@ -7,6 +7,8 @@
   fake tensors (:mod:`.plan`).
 * ``explain``: compiles a train step on a fake process group and reports its graphs
   (:mod:`.explain`).
+* ``doctor``: the versions, what the package detects of this torch, the recipes it
+  runs here and the torch patches in place (:mod:`.doctor`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="per-rank memory and per-step communication at any world size, traced "
                      "on fake tensors", formatter_class=HelpFormatter)
     add_plan_arguments(plan)
+    doctor = commands.add_parser(
+        "doctor", help="versions, detected torch features, available recipes, torch patches",
+        formatter_class=HelpFormatter)
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -66,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     started = process_start_time()
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor(args.json)
     if args.command == "plan":
         say(f"plan: {args.model} on {args.world_size} fake ranks; loading torch", started)
         from .plan import run_plan_command
