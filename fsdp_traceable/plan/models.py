@@ -21,6 +21,7 @@ real depth (:mod:`.extrapolate`), and applies the same recipe as training would:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -105,7 +106,7 @@ def model_source(model: str, *, layers: int = 4, dim: int = 128, heads: int = 4,
         return _builtin(TransformerConfig(vocab_size=vocab_size, dim=dim, n_layers=layers,
                                           n_heads=heads, max_seq_len=seq_len))
     if model in LLAMA3_FLAVOURS:
-        return _llama3(LLAMA3_FLAVOURS[model])
+        return _llama3(LLAMA3_FLAVOURS[model], seq_len)
     if ":" in model and not os.path.exists(model):
         return _user_function(model, vocab_size)
     return _hugging_face(model)
@@ -190,7 +191,7 @@ def _builtin(config: TransformerConfig) -> ModelSource:
                        lambda model, tokens, targets: model.loss(tokens, targets))
 
 
-def _llama3(flavour: str) -> ModelSource:
+def _llama3(flavour: str, seq_len: int) -> ModelSource:
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import llama3_configs
 
@@ -201,6 +202,9 @@ def _llama3(flavour: str) -> ModelSource:
         config.layers = config.layers[:depth]
         for layer in config.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
+            # What torchtitan's trainer does (Decoder.Config.update_from_config): each
+            # block's RoPE cache covers the training sequence, not the flavour's maximum.
+            layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq_len)
         return config
 
     def build(depth: int) -> nn.Module:

@@ -1,9 +1,11 @@
 """What one training step allocates and communicates, recorded op by op.
 
-:class:`StepRecorder` is a ``TorchDispatchMode`` under which a step runs (on fake
-tensors for a plan, on real ones to check a plan). It sees every aten op after tensor
-subclasses such as DTensor unwrapped it, so it sees each storage the step creates and
-each collective it issues:
+:class:`StepRecorder` is shown every aten op the step runs on plain (fake) tensors:
+by :class:`RecordingFakeMode`, the fake mode a plan runs its step in, which sees also
+the ops DTensor issues inside its own dispatch (a dispatch mode above DTensor sees a
+DTensor op once, at its global shape); or as a ``TorchDispatchMode`` itself, for a
+model without tensor subclasses in its compute. So it sees each storage the step
+creates and each collective it issues:
 
 - memory: every new storage of a plain (or fake) tensor is one allocation, freed when
   Python drops the storage (a weak reference's callback), as torch's ``MemTracker``
@@ -12,7 +14,8 @@ each collective it issues:
 - collectives: each c10d (eager ``fully_shard``) and functional (tensor parallel,
   traced) all-gather, reduce-scatter and all-reduce, with its buffer's bytes and the
   ranks of its group, attributed to the ``fully_shard`` group whose code issued it
-  (read from the Python stack) or to the compute (tensor parallel).
+  (read from the Python stack) or to the compute (tensor parallel);
+- FLOPs: matmuls and attention by ``torch.utils.flop_counter``'s formulas.
 
 [Note: plan memory categories]
 Each allocation is labelled when it is made: by the phase the step is in (forward,
@@ -35,11 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
-__all__ = ["Allocation", "Collective", "StepRecorder"]
+__all__ = ["Allocation", "Collective", "RecordingFakeMode", "StepRecorder"]
 
 PARAMS, OPTIMIZER, PERSISTENT = "parameters", "optimizer state", "other persistent"
 GRADIENTS, UNSHARDED, REDUCTION = "gradients", "unsharded parameters", "gradient reduction"
@@ -66,6 +70,7 @@ _GATHER_FILES = ("fsdp_traceable/fsdp/group_all_gather.py",
 _REDUCE_FILES = ("fsdp_traceable/fsdp/gradient_reduction.py",
                  "fsdp_traceable/collectives/reduce.py")
 _GROUP_FILE = "fsdp_traceable/fsdp/param_group.py"
+_SHARDING_PROPAGATION = "torch/distributed/tensor/_sharding_prop.py"
 _TENSOR_PARALLEL = "tensor parallel (compute)"
 
 
@@ -75,6 +80,7 @@ class Allocation:
 
     nbytes: int
     category: str
+    op: str = ""  # the op that made it (for a reader of the record)
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,9 @@ class StepRecorder(TorchDispatchMode):
     """
 
     collectives: list[Collective] = field(default_factory=list)
+    # Matmul and attention FLOPs of this rank, counted on plain tensors only: torch's
+    # FlopCounterMode also counts a DTensor op at its global shape.
+    flops: int = 0
     current: int = 0
     peak: int = 0
     _phase: str = "setup"
@@ -149,6 +158,13 @@ class StepRecorder(TorchDispatchMode):
 
     def alive_at_peak(self, phase: str | None = None) -> Counter:
         """Bytes by category alive at the step's peak (or at ``phase``'s peak)."""
+        by_category: Counter = Counter()
+        for allocation in self.allocations_at_peak(phase):
+            by_category[allocation.category] += allocation.nbytes
+        return by_category
+
+    def allocations_at_peak(self, phase: str | None = None) -> list[Allocation]:
+        """The allocations alive at the step's peak (or at ``phase``'s peak)."""
         end = self._peak_event if phase is None else self._phase_peak_events.get(phase, 0)
         alive: dict[int, Allocation] = {}
         for sign, allocation in self._events[:end]:
@@ -156,10 +172,7 @@ class StepRecorder(TorchDispatchMode):
                 alive[id(allocation)] = allocation
             else:
                 alive.pop(id(allocation), None)
-        by_category: Counter = Counter()
-        for allocation in alive.values():
-            by_category[allocation.category] += allocation.nbytes
-        return by_category
+        return list(alive.values())
 
     def timeline(self) -> list[int]:
         """Bytes alive after each allocation and free, in order."""
@@ -169,13 +182,13 @@ class StepRecorder(TorchDispatchMode):
             points.append(current)
         return points
 
-    def _track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+    def _track(self, tensor: torch.Tensor, category: str | None = None, op: str = "") -> None:
         for local in _locals(tensor):
             storage = local.untyped_storage()
             key = storage._cdata
             if key in self._live or storage.nbytes() == 0:
                 continue
-            allocation = Allocation(storage.nbytes(), category or self._category())
+            allocation = Allocation(storage.nbytes(), category or self._category(), op)
             self._live[key] = (weakref.ref(storage, self._freed_callback(key, allocation)),
                                allocation)
             self._events.append((1, allocation))
@@ -196,7 +209,7 @@ class StepRecorder(TorchDispatchMode):
         return freed
 
     def _category(self) -> str:
-        frame = sys._getframe(3)
+        frame = sys._getframe(1)
         while frame is not None:
             filename = frame.f_code.co_filename.replace("\\", "/")
             if filename.endswith(_GATHER_FILES):
@@ -216,16 +229,57 @@ class StepRecorder(TorchDispatchMode):
         self.collectives.append(Collective(kind, _issuing_group(), nbytes,
                                            _group_size(args, kwargs), self._phase))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def observe(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                out: object) -> None:
+        """Counts one op's new storages, FLOPs and collective."""
         name = func._schema.name.replace("::", ".")
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None and all(
+                type(t) in _PLAIN for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor)):
+            self.flops += counter(*args, **kwargs, out_val=out)
         if name in _COLLECTIVES:
             self._record_collective(name, args, kwargs, out)
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and type(tensor) in _PLAIN:
-                self._track(tensor)
+                self._track(tensor, op=name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.observe(func, args, kwargs, out)
         return out
+
+
+class RecordingFakeMode(FakeTensorMode):
+    """A ``FakeTensorMode`` that shows every op it runs to its :attr:`recorder`.
+
+    The fake mode is the bottom of the mode stack, so it runs every op on plain (fake)
+    tensors, also those a tensor subclass such as DTensor issues inside its own
+    dispatch, which a dispatch mode above the subclass never sees (it sees the DTensor
+    op once, at its global shape).
+    """
+
+    recorder: StepRecorder | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if (self.recorder is not None and out is not NotImplemented
+                and not _in_sharding_propagation()):
+            self.recorder.observe(func, args, kwargs or {}, out)
+        return out
+
+
+def _in_sharding_propagation() -> bool:
+    """Whether DTensor is running an op at its global shape only to learn its output's
+    shape (``ShardingPropagator._propagate_tensor_meta_non_cached`` runs it in the
+    active fake mode): no real step runs that op, so it is not recorded."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_SHARDING_PROPAGATION):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _locals(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -236,7 +290,7 @@ def _locals(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def _issuing_group() -> str:
     """The ``fully_shard`` group whose code is on the stack, else the compute."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.replace("\\", "/").endswith(_GROUP_FILE):
             owner = frame.f_locals.get("self")

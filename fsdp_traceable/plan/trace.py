@@ -4,7 +4,7 @@ Why run the eager step rather than trace a graph: ``fully_shard``'s eager path i
 one whose memory a training job sees (it frees each block's unsharded parameters after
 forward and gathers them again in backward), and it runs unchanged on fake tensors
 (``FakeTensorMode``: shapes, dtypes and storages, no data) with torch's fake process
-group, whose collectives return at once. Every op passes the
+group, whose collectives return at once. Every op the fake mode runs is shown to the
 :class:`~.recorder.StepRecorder`, so the step's allocations, frees and collectives are
 the real step's, op for op; nothing is allocated (a 405B block at its real sizes costs
 kilobytes). torch's ``MemTracker`` / ``FSDPMemTracker`` were the alternative: the first
@@ -25,10 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .models import ModelSource, ShardSettings
-from .recorder import GRADIENTS, OPTIMIZER, PARAMS, PERSISTENT, StepRecorder
+from .recorder import GRADIENTS, OPTIMIZER, PARAMS, PERSISTENT, RecordingFakeMode, StepRecorder
 
 __all__ = ["StepTrace", "fake_world", "trace_step"]
 
@@ -53,7 +52,7 @@ class StepTrace:
         params_bytes: this rank's sharded parameters.
         optimizer_bytes: this rank's optimizer state.
         gradient_bytes: this rank's sharded gradients after backward.
-        flops: this rank's forward + backward FLOPs (``torch.utils.flop_counter``).
+        flops: this rank's FLOPs (``torch.utils.flop_counter``'s formulas).
         baseline_bytes: what was alive on the rank when the step started.
     """
 
@@ -137,33 +136,29 @@ def trace_step(source: ModelSource, depth: int, world_size: int, settings: Shard
     Returns:
         The recorded step of rank 0.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     with fake_world(world_size):
         model = source.build(depth)
         model = source.parallelize(model, world_size, settings)
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_mode = RecordingFakeMode(allow_non_fake_inputs=True)
         with fake_mode:
             model.to_empty(device="cpu")
             optimizer = make_optimizer(workload.optimizer, model.parameters(), workload.lr)
             shape = (workload.batch_size, workload.seq_len)
             tokens = torch.randint(0, source.vocab_size, shape)
             targets = torch.randint(0, source.vocab_size, shape)
-            # The first step creates the optimizer state; its FLOPs are every step's. The
-            # flop counter's module hooks keep an activation-checkpointed block's
-            # recomputed tensors alive, so it stays off the recorded step.
-            flop_counter = FlopCounterMode(display=False)
-            with flop_counter:
-                run_step(model, source, optimizer, tokens, targets)
+            run_step(model, source, optimizer, tokens, targets)  # creates optimizer state
             recorder = StepRecorder()
             recorder.adopt(model.parameters(), PARAMS)
             recorder.adopt(_optimizer_tensors(optimizer), OPTIMIZER)
             recorder.adopt(model.buffers(), PERSISTENT)
             recorder.adopt((tokens, targets), PERSISTENT)
             baseline_bytes = recorder.current
-            with recorder:
+            fake_mode.recorder = recorder
+            try:
                 gradient_bytes = run_step(model, source, optimizer, tokens, targets, recorder)
+            finally:
+                fake_mode.recorder = None
         params_bytes = _storage_bytes(model.parameters())
         optimizer_bytes = _storage_bytes(_optimizer_tensors(optimizer))
     return StepTrace(depth, recorder, params_bytes, optimizer_bytes, gradient_bytes,
-                     flop_counter.get_total_flops(), baseline_bytes)
+                     recorder.flops, baseline_bytes)
