@@ -2,7 +2,10 @@
 
 Gradient accumulation (with and without gradient sync), HSDP, frozen parameters,
 buffers, reshard modes and explicit unshard, tied weights, state_dict and DCP
-checkpoints. The rank-side bodies are in ``feature_cases`` and ``checkpoint_cases``;
+checkpoints; and the training behaviours FSDP2's own test files check on accelerators
+(gradient-norm clipping, mixed-precision dtypes and forward-input casts, structured
+activations, unused outputs and modules, weights frozen inside a group). The rank-side
+bodies are in ``feature_cases``, ``checkpoint_cases`` and ``training_behaviour_cases``;
 all 2-rank cases share one spawned run, HSDP has its own 4-rank run. Bad arguments
 to ``fully_shard`` are checked in-process on the fake process group.
 """
@@ -21,7 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fsdp_traceable import FSDPModule, fully_shard
 from fsdp_traceable.fsdp.arguments import ArgumentTypeError
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp import checkpoint_cases, feature_cases
+from tests.fsdp import checkpoint_cases, feature_cases, training_behaviour_cases
 from tests.fsdp.feature_cases import (
     N_GROUPS,
     assert_bitwise,
@@ -45,6 +48,7 @@ def _two_rank_cases(directory: str) -> list[tuple[str, Callable, tuple]]:
         ("embedding_own_group", feature_cases.embedding_own_group, ()),
         ("state_dict", checkpoint_cases.state_dict_round_trip, ()),
         ("dcp", checkpoint_cases.dcp_cross_load, (directory,)),
+        *((name, fn, ()) for name, fn in training_behaviour_cases.CASES),
     ]
 
 
@@ -209,14 +213,100 @@ def test_dcp_checkpoint_loads_across_libraries_bitwise(two_ranks):
             assert_bitwise(source, loaded, f"{name}: the step after loading")
 
 
+# -- training behaviours FSDP2's own test files check on accelerators -----------------
+
+
+@pytest.mark.gloo
+def test_clip_grad_norm_on_sharded_grads_matches_fsdp2(two_ranks):
+    for result in case_results(two_ranks, "clip_grad_norm"):
+        for norm_type in training_behaviour_cases.NORM_TYPES:
+            theirs, ours = result[f"theirs_{norm_type}"], result[f"ours_{norm_type}"]
+            assert ours["total_norm"] > 0.05  # the clip is not vacuous
+            assert torch.equal(ours["total_norm"], theirs["total_norm"])
+            # The norm is a DTensor on the mesh: one all-reduce per mesh dim.
+            assert ours["placements"] == theirs["placements"]
+            assert ours["all_reduces"] == theirs["all_reduces"] == len(ours["placements"]) == 1
+            assert_bitwise(theirs["clipped"], ours["clipped"], f"{norm_type}-norm clipped grads")
+            assert_bitwise(theirs["params"], ours["params"], f"{norm_type}-norm stepped params")
+
+
+REDUCE_DTYPES = {"bf16_compute": ["torch.bfloat16"], "bf16_compute_fp32_reduce": ["torch.float32"],
+                 "fp32_compute_bf16_reduce": ["torch.bfloat16"], "fp16_compute": ["torch.float16"]}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("combo", list(training_behaviour_cases.MP_COMBOS))
+def test_mixed_precision_dtype_combination_matches_fsdp2(two_ranks, combo: str):
+    # reduce_dtype defaults to param_dtype; gradients land in the parameters' fp32.
+    for result in case_results(two_ranks, "mixed_precision_dtypes"):
+        theirs, ours = result[f"theirs_{combo}"], result[f"ours_{combo}"]
+        assert_same_training(theirs, ours)
+        assert ours["reduce_dtypes"] == theirs["reduce_dtypes"] == REDUCE_DTYPES[combo]
+        assert all(g.dtype == torch.float32 for g in ours["grads"])
+
+
+SEEN_DTYPES = {  # scenario -> dtype each module's forward received
+    "low_precision_second": ("float32", "float32", "float16"),
+    "second_casts_itself": ("float32", "float32", "float32"),
+    "first_outputs_fp32": ("float32", "float16", "float32"),
+    "root_bf16_casts_inputs": ("bfloat16", "bfloat16", "bfloat16"),
+}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("scenario", list(training_behaviour_cases.CAST_SCENARIOS))
+def test_cast_forward_inputs_and_output_dtype_match_fsdp2(two_ranks, scenario: str):
+    for result in case_results(two_ranks, "forward_input_casts"):
+        theirs, ours = result[f"theirs_{scenario}"], result[f"ours_{scenario}"]
+        expected = dict(zip(("root", "first", "second"),
+                            (f"torch.{d}" for d in SEEN_DTYPES[scenario])))
+        assert ours["seen"] == theirs["seen"] == expected
+        assert_same_training(theirs, ours)
+
+
+@pytest.mark.gloo
+def test_structured_activations_between_groups_match_fsdp2(two_ranks):
+    results = case_results(two_ranks, "structured_activations")
+    for result in results:
+        assert len(result) == len(training_behaviour_cases.CONTAINERS) + 2
+        for run, trained in result.items():
+            assert trained["ours"]["losses"] == trained["theirs"]["losses"], run
+            assert_same_training(trained["theirs"], trained["ours"])
+
+
+@pytest.mark.gloo
+def test_unused_forward_outputs_and_modules_match_fsdp2(two_ranks):
+    for result in case_results(two_ranks, "unused_outputs_and_modules"):
+        for run, trained in result.items():
+            assert_same_training(trained["theirs"], trained["ours"])
+            if run.startswith("unused_module"):  # ``second``'s weight and bias
+                assert trained["ours"]["grads"][2:] == [None, None]
+
+
+@pytest.mark.gloo
+def test_weights_frozen_inside_groups_reduce_only_trainable_numel(two_ranks):
+    for result in case_results(two_ranks, "frozen_weights_in_group"):
+        for freeze_after in (False, True):
+            theirs, ours = result[f"theirs_{freeze_after}"], result[f"ours_{freeze_after}"]
+            assert_same_training(theirs, ours)
+            # Each block's two biases (36 + 12), half per rank; the root has no parameters.
+            assert ours["reduce_scatter_numels"] == theirs["reduce_scatter_numels"] == [24]
+            assert ours["reduced_before_block0"] == theirs["reduced_before_block0"] == 2
+            for grad, initial, final in zip(ours["grads"], ours["initial"], ours["params"]):
+                assert (grad is None) == (final.dim() == 2)
+                assert torch.equal(final, initial) == (final.dim() == 2)
+
+
 # -- bad input, single process on the fake process group ------------------------------
 
 
-class _IntParam(nn.Module):
+class _TrainableFloat8(nn.Module):
+    """A float8 parameter left trainable: its gradient has no dtype a backend reduces
+    (frozen, it is sharded and gathered as FSDP2 does: tests/fsdp/test_frozen_dtypes.py)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.index = nn.Parameter(torch.arange(4), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(4, 4).to(torch.float8_e4m3fn))
 
 
 # name -> (exception, regex, call(mesh, shard)); shard is the fully_shard under test
@@ -230,8 +320,9 @@ BAD_CALLS = {
         lambda mesh, shard: shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, 1, 1)))),
     "not_a_module": (
         ArgumentTypeError, "nn.Module", lambda mesh, shard: shard(torch.ones(4), mesh=mesh)),
-    "integer_parameter": (
-        TypeError, "'index'", lambda mesh, shard: shard(_IntParam(), mesh=mesh)),
+    "trainable_float8_parameter": (
+        TypeError, "parameter 'scale': requires_grad=True with dtype torch.float8_e4m3fn",
+        lambda mesh, shard: shard(_TrainableFloat8(), mesh=mesh)),
     "placement_not_shard": (
         ValueError, "Invalid shard_placement_fn result: Replicate",
         lambda mesh, shard: shard(nn.Linear(4, 4), mesh=mesh,

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -301,11 +302,31 @@ def eager_parity(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch 2.12+
         result["spmd"] = spmd_parity(mesh, dp_rank)
     result["dp_shard_cp"] = flattened_mesh_parity()
+    result["clip"] = clip_grad_norm_2d(mesh, dp_rank)
     from tests.fsdp.features import expert_parallel_cases  # (which builds on this file's TinyLM)
 
     result["moe"] = expert_parallel_cases.eager_parity()
     result["errors"] = rejected_inputs(mesh)
     dist.barrier()
+    return result
+
+
+def clip_grad_norm_2d(mesh: DeviceMesh, dp_rank: int) -> dict[str, Any]:
+    """``torch.nn.utils.clip_grad_norm_`` (foreach, 2-norm) on TP + FSDP gradients: the
+    total norm (a DTensor on the 2-D mesh), its all-reduces and the clipped gradients."""
+    result = {}
+    for name, model in zip(("theirs", "ours"), sharded_pair(mesh)):
+        model.loss(*batch(0, dp_rank)).backward()
+        with CommDebugMode() as comm_mode:
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05,
+                                                   foreach=True)
+        result[name] = {
+            "total_norm": total.full_tensor(),
+            "placements": [type(p).__name__ for p in total.placements],
+            "all_reduces": sum(n for op, n in comm_mode.get_comm_counts().items()
+                               if "all_reduce" in str(op)),
+            "grads": grads_with_layouts(model),
+        }
     return result
 
 

@@ -4,11 +4,11 @@ bf16 mixed precision, and 2 built on meta as torchtitan does); losses, first-ste
 gradients, final shards, parameter and ``state_dict()`` layouts bit for bit, and the TP
 DTensors forward computes with; the same with ``dp_mesh_dims`` (torch 2.12+); FSDP2's
 DCP checkpoint loads into ours; both on torchtitan's mesh for context parallelism
-(``fully_shard`` on ``(dp_shard, cp)`` flattened into ``dp_shard_cp``); a MoE model
-with expert parallel as torchtitan shards it (experts on ``dp_shard_mod_ep`` with
-``Shard(1)`` or the default ``Shard(0)`` and ``set_gradient_divide_factor``, dense
-layers on the flattened dp mesh); inputs that cannot be sharded are rejected by name
-before any collective."""
+(``fully_shard`` on ``(dp_shard, cp)`` flattened into ``dp_shard_cp``); gradient-norm
+clipping of the 2-D gradients; a MoE model with expert parallel as torchtitan shards it
+(experts on ``dp_shard_mod_ep`` with ``Shard(1)`` or the default ``Shard(0)`` and
+``set_gradient_divide_factor``, dense layers on the flattened dp mesh); inputs that
+cannot be sharded are rejected by name before any collective."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def test_tp_fsdp_trains_like_fsdp2_and_rejects_what_it_cannot_shard(tmp_path):
             assert pair["ours"]["losses"] == pair["theirs"]["losses"], f"rank {rank} {case}"
             _assert_same(pair["theirs"]["grads"], pair["ours"]["grads"], f"rank {rank} {case} grad")
             _assert_same(pair["theirs"]["params"], pair["ours"]["params"], f"rank {rank} {case}")
+        # clip_grad_norm_ on the 2-D gradients: the norm reduced over both mesh dims.
+        clip = result["clip"]
+        assert clip["ours"]["total_norm"] > 0.05  # the clip is not vacuous
+        assert torch.equal(clip["ours"]["total_norm"], clip["theirs"]["total_norm"])
+        assert clip["ours"]["placements"] == clip["theirs"]["placements"]
+        assert clip["ours"]["all_reduces"] == clip["theirs"]["all_reduces"] == 2
+        _assert_same(clip["theirs"]["grads"], clip["ours"]["grads"], f"rank {rank} clipped grad")
         errors = result["errors"]
         assert errors["other_root"][0] == "ValueError" and "'weight'" in errors["other_root"][1]
         assert errors["overlap"][0] == "ValueError" and "already a DTensor" in errors["overlap"][1]
