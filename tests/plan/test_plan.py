@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,11 +65,18 @@ def _real_step(rank: int, world_size: int) -> dict:
     with counter:
         step()
     peak = peak_allocated_bytes(step, caller_thread_only=True)
+    # Gloo's reduce-scatter copies its input on the calling thread (NCCL does not, and
+    # the plan does not model it): measured here on the largest reduce-scatter's buffers (fp32).
+    numel = max(n for (kind, n) in counter.seen if kind == "reduce-scatter") // 4
+    rs_input, rs_output = torch.empty(numel), torch.empty(numel // world_size)
+    gloo_copy = peak_allocated_bytes(
+        lambda: dist.reduce_scatter_tensor(rs_output, rs_input), caller_thread_only=True)
     state = [v for s in optimizer.state.values() for v in s.values()]
     return {"params": sum(p.to_local().untyped_storage().nbytes() for p in model.parameters()),
             "optimizer": sum(v.to_local().untyped_storage().nbytes() if hasattr(v, "to_local")
                              else v.untyped_storage().nbytes() for v in state),
-            "gradients": grad_bytes[-1], "collectives": counter.seen, "peak": peak}
+            "gradients": grad_bytes[-1], "collectives": counter.seen, "peak": peak,
+            "gloo_copy": gloo_copy}
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +120,12 @@ def _by_kind(collectives: Counter) -> Counter:
 
 
 def test_planned_peak_is_within_ten_percent_of_the_measured_one(real: dict, planned) -> None:
-    # The measured peak counts from zero at the step's start: the plan's peak above what
-    # was alive then.
-    planned_above_start = planned.peak_bytes - planned.baseline_bytes
+    # The measured peak counts from zero at the step's start (allocations on the calling
+    # thread, from the profiler's memory events): the plan's peak above what was alive
+    # then, plus gloo's own copy of a reduce-scatter's input.
+    planned_above_start = planned.peak_bytes - planned.baseline_bytes + real["gloo_copy"]
     assert abs(planned_above_start - real["peak"]) <= 0.1 * real["peak"], (
-        planned_above_start, real["peak"])
+        planned_above_start, real["peak"], real["gloo_copy"])
 
 
 def test_extrapolation_from_two_and_three_blocks_is_the_full_trace() -> None:
