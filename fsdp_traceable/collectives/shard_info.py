@@ -76,7 +76,8 @@ def make_shard_info(
     Raises:
         ValueError: bad ``world_size``/``rank``/``shard_dim``, or a ``Shard(d > 0)``
             whose dim size is not divisible by ``world_size``.
-        TypeError: a dtype that is not a floating dtype FSDP can communicate.
+        TypeError: a ``param_dtype`` or ``reduce_dtype`` that is not a floating dtype
+            FSDP casts and reduces (any ``orig_dtype`` gathered as is is fine).
     """
     global_size = torch.Size(global_size)
     if not isinstance(world_size, int) or world_size < 1:
@@ -97,16 +98,20 @@ def make_shard_info(
     shard_dim %= ndim
     param_dtype = param_dtype or orig_dtype
     reduce_dtype = reduce_dtype or param_dtype
-    for name, dtype in (
-        ("orig_dtype", orig_dtype),
-        ("param_dtype", param_dtype),
-        ("reduce_dtype", reduce_dtype),
-    ):
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name}={dtype} is not supported: FSDP shards floating-point "
-                f"parameters of dtype {', '.join(map(str, SUPPORTED_DTYPES))}"
-            )
+    # Any dtype is gathered as is (as bytes where no backend gathers it natively), as
+    # FSDP2 gathers a frozen integer or float8 parameter; casts and reductions take
+    # floating dtypes only.
+    if not (param_dtype == reduce_dtype == orig_dtype and orig_dtype not in SUPPORTED_DTYPES):
+        checked = (("orig_dtype", orig_dtype, orig_dtype.is_floating_point),
+                   ("param_dtype", param_dtype, param_dtype in SUPPORTED_DTYPES),
+                   ("reduce_dtype", reduce_dtype, reduce_dtype in SUPPORTED_DTYPES))
+        for name, dtype, ok in checked:
+            if not ok:
+                raise TypeError(
+                    f"{name}={dtype} is not supported: FSDP casts floating-point tensors to "
+                    f"and reduces them in {', '.join(map(str, SUPPORTED_DTYPES))}; a tensor of "
+                    "another dtype is gathered as is (no param_dtype nor reduce_dtype)"
+                )
 
     dim_size = global_size[shard_dim]
     if shard_dim == 0:

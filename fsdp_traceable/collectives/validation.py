@@ -151,6 +151,12 @@ def check_reduce_state(
     accumulate_into: Sequence[torch.Tensor] | None,
 ) -> None:
     """Checks ``foreach_reduce``'s optional state arguments against the bucket."""
+    if reduce_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"reduce_dtype={reduce_dtype} cannot be reduced: FSDP reduces gradients of "
+            f"dtype {', '.join(map(str, SUPPORTED_DTYPES))}; a parameter of another dtype "
+            "is gathered only (frozen)"
+        )
     if not all_reduce_grads and not has_all_reduce_group:
         raise ValueError(
             "all_reduce_grads=False skips the HSDP all-reduce, but no all_reduce_group "

@@ -240,11 +240,6 @@ def _managed_params(
                         f"Change {fqn} to a 1D tensor with numel equal to 1 (e.g. "
                         "nn.Parameter(p.reshape(1))), or leave it out with ignored_params"
                     )
-                if not param.is_floating_point():
-                    raise TypeError(
-                        f"parameter {fqn!r} has dtype {param.dtype}; fully_shard shards floating-"
-                        "point parameters only (register integer state as a buffer)"
-                    )
                 managed.setdefault(id(param), (fqn, param, []))[2].append((owner, name))
     params = list(managed.values())
     by_device = {param.device.type: fqn for fqn, param, _ in params}

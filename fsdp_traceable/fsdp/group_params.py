@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
 from torch.distributed.tensor import DTensor
 
-from ..collectives import ShardInfo, make_shard_info
+from ..collectives import ShardInfo
 from ..collectives.bucket_layout import BucketLayout
 from ..collectives.validation import check_bucket_bytes
 from .arguments import shard_placement
@@ -25,7 +25,13 @@ from .features.all_gather_extensions import (
     plain_without_hooks,
 )
 from .features.tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
-from .sharded_params import check_replacement, pinned, shard_info, sharded_param
+from .sharded_params import (
+    check_replacement,
+    pinned,
+    shard_info,
+    shard_info_in_dtype,
+    sharded_param,
+)
 from .unsharded_binding import Binding, bind_unsharded, is_bound, unbind_unsharded
 
 Versions = list[tuple[int, int]]
@@ -229,10 +235,10 @@ class GroupParams:
         changed = False
         for index, (param, info) in enumerate(zip(self.sharded_params, self.infos)):
             if param.dtype != info.orig_dtype:
-                self.infos[index] = make_shard_info(
-                    info.global_size, info.world_size, info.rank, shard_dim=info.shard_dim,
-                    orig_dtype=param.dtype, param_dtype=self.mp_policy.param_dtype,
-                    reduce_dtype=self.mp_policy.reduce_dtype, offload_to_cpu=info.offload_to_cpu)
+                self.infos[index] = shard_info_in_dtype(
+                    self.fqns[index], info.global_size, info.world_size, info.rank,
+                    param.dtype, param.requires_grad, self.mp_policy,
+                    shard_dim=info.shard_dim, offload_to_cpu=info.offload_to_cpu)
                 changed = True
         if changed:
             self.layout = BucketLayout.of(self.infos)

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..collectives import ShardInfo, make_shard_info, shard_tensor
+from ..collectives.shard_info import SUPPORTED_DTYPES
 from .features.tensor_parallel import TensorParallelLayout
 
 
@@ -37,14 +38,69 @@ def shard_info(
     """
     # A TP parameter's FSDP shards are of its local tensor (see [Note: TP parameters]).
     shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+    return shard_info_in_dtype(
+        fqn, shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
+        param.dtype, param.requires_grad, mp_policy, shard_dim=shard_dim,
+        offload_to_cpu=offload_to_cpu)
+
+
+def shard_info_in_dtype(
+    fqn: str,
+    shape: torch.Size,
+    world_size: int,
+    rank: int,
+    dtype: torch.dtype,
+    requires_grad: bool,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    shard_dim: int,
+    offload_to_cpu: bool,
+) -> ShardInfo:
+    """A parameter's shard layout in ``dtype``, with FSDP2's dtypes for it.
+
+    As FSDP2's ``FSDPParam.init_dtype_attrs``: the policy's ``param_dtype`` applies to
+    floating parameters only (float8 included); any other dtype (a frozen integer
+    parameter) is all-gathered as is. A parameter of a dtype no backend reduces
+    (integer, float8 without a ``param_dtype``) must be frozen: its gradient could not
+    be reduced.
+
+    Args:
+        fqn: the parameter's name, for errors.
+        shape: the sharded tensor's global shape.
+        world_size: ranks of the shard group.
+        rank: this rank in it.
+        dtype: the parameter's dtype.
+        requires_grad: whether the parameter trains.
+        mp_policy: the group's mixed-precision policy.
+        shard_dim: the dim to shard.
+        offload_to_cpu: whether the shards live on CPU.
+
+    Returns:
+        The parameter's ``ShardInfo``.
+
+    Raises:
+        TypeError: naming the parameter: a dtype the policy's dtypes cannot be cast
+            from, or a trainable parameter whose gradient no backend reduces.
+        ValueError: naming the parameter: a shard layout ``make_shard_info`` refuses.
+    """
+    param_dtype = mp_policy.param_dtype if dtype.is_floating_point else None
+    reduce_dtype = mp_policy.reduce_dtype if dtype.is_floating_point else None
     try:
-        return make_shard_info(
-            shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1),
-            shard_dim=shard_dim, orig_dtype=param.dtype, param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype, offload_to_cpu=offload_to_cpu,
+        info = make_shard_info(
+            shape, world_size, rank, shard_dim=shard_dim, orig_dtype=dtype,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload_to_cpu=offload_to_cpu,
         )
     except (TypeError, ValueError) as err:
         raise type(err)(f"parameter {fqn!r}: {err}") from None
+    if requires_grad and info.reduce_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"parameter {fqn!r}: requires_grad=True with dtype {dtype}, whose gradient "
+            f"no backend reduces: FSDP reduces gradients of dtype "
+            f"{', '.join(map(str, SUPPORTED_DTYPES))}. Freeze it "
+            "(requires_grad_(False)), or give the group an mp_policy with a "
+            "param_dtype and reduce_dtype among those"
+        )
+    return info
 
 
 def sharded_param(

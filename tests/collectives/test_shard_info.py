@@ -164,13 +164,23 @@ def test_uneven_dim0_is_allowed() -> None:
 @pytest.mark.parametrize(
     "kwargs, name, dtype",
     [
-        (dict(orig_dtype=torch.int64), "orig_dtype", torch.int64),
-        (dict(orig_dtype=torch.complex64), "orig_dtype", torch.complex64),
+        (dict(orig_dtype=torch.int64, param_dtype=torch.bfloat16), "orig_dtype", torch.int64),
+        (dict(orig_dtype=torch.complex64, param_dtype=torch.float32), "orig_dtype",
+         torch.complex64),
         (dict(param_dtype=torch.int16), "param_dtype", torch.int16),
         (dict(reduce_dtype=torch.uint8), "reduce_dtype", torch.uint8),
-        (dict(orig_dtype=torch.bool), "orig_dtype", torch.bool),
+        (dict(orig_dtype=torch.bool, reduce_dtype=torch.float32), "orig_dtype", torch.bool),
+        (dict(orig_dtype=torch.float8_e4m3fn, reduce_dtype=torch.float32), "param_dtype",
+         torch.float8_e4m3fn),
     ],
 )
 def test_unsupported_dtypes(kwargs: dict, name: str, dtype: torch.dtype) -> None:
     with pytest.raises(TypeError, match=rf"{name}={dtype} is not supported.*torch\.float32"):
         make_shard_info((4,), 2, 0, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_any_dtype_is_gathered_as_is(dtype: torch.dtype) -> None:
+    # As FSDP2 gathers a frozen integer or float8 parameter: no cast, never reduced.
+    info = make_shard_info((5,), 2, 1, orig_dtype=dtype)
+    assert (info.param_dtype, info.reduce_dtype, info.sharded_size) == (dtype, dtype, (2,))
