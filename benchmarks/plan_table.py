@@ -1,0 +1,65 @@
+"""The table of docs/plan.md: torchtitan's Llama 3 8B / 70B / 405B on 8 / 64 / 512 / 1024
+GPUs, memory per GPU and communication per step, from ``python -m fsdp_traceable plan``,
+next to DeepSpeed's ZeRO-3 model-state formula.
+
+ZeRO-3 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", arXiv 1910.02054, section 5: "(2 + 2 + K) * Psi / N_d" with K = 12
+for mixed-precision Adam): 16 bytes per parameter over the data-parallel ranks. Here
+the model state is fp32 parameters (4), fp32 gradients (4) and fp32 Adam moments (8),
+also 16 bytes per parameter, over dp x tp ranks.
+
+Run: ``python benchmarks/plan_table.py > docs/plan_table.md`` (each row one plan,
+bf16 parameters, fp32 reduction, full activation checkpointing, batch 1 x 8192 tokens
+per data-parallel rank, tensor parallel 8 from 64 GPUs up, 1 below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from fsdp_traceable.cli.arguments import PlanArgs
+from fsdp_traceable.cli.plan import plan_for
+from fsdp_traceable.plan.report import GIB
+
+ROWS = [("llama3-8b", 8, 1), ("llama3-8b", 64, 8), ("llama3-70b", 64, 8),
+        ("llama3-70b", 512, 8), ("llama3-405b", 512, 8), ("llama3-405b", 1024, 8)]
+ZERO3_BYTES_PER_PARAM = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
+    options = parser.parse_args()
+    print("| model | GPUs (dp x tp) | params + grads + Adam / GPU | ZeRO-3 formula / GPU "
+          "| unsharded params at peak | activations at peak | peak / GPU "
+          "| FSDP all-gather / step | FSDP reduce-scatter / step | TP collectives / step "
+          "| plan time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, world, tp in ROWS:
+        start = time.perf_counter()
+        args = PlanArgs(model=model, world_size=world, tp=tp, seq_len=options.seq_len,
+                        batch_size=1, ac="full")
+        plan = plan_for(args)
+        seconds = time.perf_counter() - start
+        # the fp32 sharded parameters are 4 bytes each on dp x tp ranks
+        n_params = plan.params_bytes // 4 * world
+        zero3 = ZERO3_BYTES_PER_PARAM * n_params / world
+        state = plan.params_bytes + plan.gradient_bytes + plan.optimizer_bytes
+        fsdp = {"all-gather": [0, 0], "reduce-scatter": [0, 0]}
+        tensor_parallel = [0, 0]
+        for (kind, group, _, _), (count, nbytes) in plan.collectives.items():
+            target = tensor_parallel if group.startswith("tensor parallel") else fsdp[kind]
+            target[0] += count
+            target[1] += nbytes
+        print(f"| {model} | {world} ({world // tp} x {tp}) | {state / GIB:.1f} GiB "
+              f"| {zero3 / GIB:.1f} GiB | {plan.at_peak.get('unsharded parameters', 0) / GIB:.2f} GiB "
+              f"| {plan.at_peak.get('activations', 0) / GIB:.2f} GiB | {plan.peak_bytes / GIB:.1f} GiB "
+              f"| {fsdp['all-gather'][0]} x, {fsdp['all-gather'][1] / GIB:.0f} GiB "
+              f"| {fsdp['reduce-scatter'][0]} x, {fsdp['reduce-scatter'][1] / GIB:.0f} GiB "
+              f"| {tensor_parallel[0]} x, {tensor_parallel[1] / GIB:.0f} GiB | {seconds:.0f} s |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
