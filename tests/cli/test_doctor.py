@@ -18,8 +18,7 @@ from fsdp_traceable.cli.doctor import format_report
 ROOT = Path(__file__).resolve().parents[2]
 
 # A fresh process: nothing in place, then fully_shard, then doctor's report (as the
-# command prints it), then each patch function asked again whether its patch is in
-# place (it returns True where it is, applying nothing new).
+# command prints it), then each patch function asked whether its patch is in place.
 _PROGRAM = """
 import contextlib, io, json
 import torch.nn as nn
@@ -36,10 +35,12 @@ after_fully_shard = inventory.patches_in_place()
 with contextlib.redirect_stdout(io.StringIO()) as out:
     assert main(["doctor", "--json"]) == 0
 report = json.loads(out.getvalue())
+after_doctor = inventory.patches_in_place()
 answers = {name: getattr(_torch_patches, name)() for name in inventory.patch_names()
            if name != "rewrite_aot_backwards"}  # takes the rewrite; exists or not
 answers["rewrite_aot_backwards"] = _torch_patches.extract_bw_module_exists()
-print(json.dumps([start, after_fully_shard, report, answers, inventory.patches_in_place()]))
+print(json.dumps([start, after_fully_shard, report, after_doctor, answers,
+                  inventory.patches_in_place()]))
 """
 
 
@@ -47,17 +48,18 @@ def test_doctor_reports_what_the_entry_points_apply() -> None:
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(_PROGRAM)], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
-    start, after_fully_shard, report, answers, in_place = json.loads(
+    start, after_fully_shard, report, after_doctor, answers, in_place = json.loads(
         result.stdout.strip().splitlines()[-1])
     assert start == []  # importing the package applies none
     assert after_fully_shard  # fully_shard applies some on every supported torch
     patches = report["torch_patches"]
     assert patches["in_place_at_start"] == after_fully_shard
     assert patches["applied_here"]["fully_shard"] == after_fully_shard
-    # The marks the inventory reads agree with each patch function's own answer.
+    assert sorted(after_doctor) == sorted(n for names in patches["applied_here"].values()
+                                          for n in names)
+    # The marks the inventory reads agree with each patch function's own answer (asked
+    # last: a patch no entry point applies on this torch is applied by asking).
     assert sorted(in_place) == sorted(name for name, on in answers.items() if on)
-    assert sorted(in_place) == sorted(n for names in patches["applied_here"].values()
-                                      for n in names)
     assert report["versions"]["torch"] == torch.__version__
     assert report["recipes"]["eager"] is True
 
