@@ -15,6 +15,7 @@ from torch.utils.checkpoint import (
 
 from .. import _torch_patches
 from ..collectives import comm
+from .functorch_transforms import outside_functorch_transforms
 
 if TYPE_CHECKING:
     from .group_params import GroupParams
@@ -192,6 +193,7 @@ def _module_params(params: GroupParams) -> list[torch.nn.Parameter]:
     return [owner._parameters[name] for owner, name in zip(params.first_holders, params.first_names)]
 
 
+@outside_functorch_transforms  # see [Note: functorch transforms]
 def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tuple[torch.Tensor, ...]:
     """The group's unsharded parameters, connected to autograd.
 

@@ -4,7 +4,8 @@ through the same small model and calls, and returns what the parent test compare
 The behaviours are those FSDP2's own test files check on accelerators (gradient-norm
 clipping of DTensor gradients, mixed-precision dtype combinations, forward-input casts,
 structured activations between sharded modules, unused outputs and modules, frozen
-parameters inside a group); here they run on gloo ranks against FSDP2 itself, bit for bit.
+parameters inside a group, ``torch.func.jvp`` through sharded modules); here they run
+on gloo ranks against FSDP2 itself, bit for bit.
 """
 
 from __future__ import annotations
@@ -312,8 +313,19 @@ def structured_activations(rank: int, world_size: int) -> dict[str, Any]:
                 fully_shard_fn(block, mp_policy=policy)
             return fully_shard_fn(model, mp_policy=policy)
 
+        if "dataclass" in kind and not _fsdp2_takes_dataclass_activations():
+            torch.manual_seed(0)
+            result[f"{kind}_{param_dtype}"] = {"ours": _train_small(build(fsdp_traceable.fully_shard),
+                                                                    rank)}
+            continue
         result[f"{kind}_{param_dtype}"] = _both(build, rank)
     return result
+
+
+def _fsdp2_takes_dataclass_activations() -> bool:
+    """FSDP2 before torch 2.13 misses a dataclass's tensors when it registers its
+    pre-backward hooks (its parameters are resharded when backward reaches them)."""
+    return tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 class _TwoOutputs(nn.Module):
@@ -401,6 +413,43 @@ def _freeze_weights(model: nn.Module) -> None:
         param.requires_grad_("bias" in param_name)
 
 
+# -- forward-mode AD -------------------------------------------------------------------
+
+
+def _fsdp2_gathers_outside_functorch() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return hasattr(_fsdp_common, "_disable_functorch_if_active")
+
+
+def forward_mode_jvp(rank: int, world_size: int) -> dict[str, Any]:
+    """``torch.func.jvp`` through a sharded module whose first forward (its first
+    all-gather) runs inside the transform, bf16 with input casts, reshard_after_forward
+    False and True: the parameters are constants to the transform (a zero tangent),
+    and a backward after it reduces as usual."""
+    result: dict[str, Any] = {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # FSDP2 gathers outside the transforms from torch 2.13 (before, its all-gather
+    # fails on the transform's tensor wrappers): compared where it does.
+    libraries = LIBRARIES if _fsdp2_gathers_outside_functorch() else LIBRARIES[1:]
+    for reshard in (False, True):
+        for name, fully_shard_fn in libraries:
+            torch.manual_seed(0)
+            encoder, decoder = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(2 * DIM, DIM)
+            for module in (encoder, decoder):
+                fully_shard_fn(module, mp_policy=policy, reshard_after_forward=reshard)
+            hidden = encoder(_inputs(rank, 0, rows=1)[0])
+            primal, tangent = _inputs(rank, 1, rows=2)
+            output, output_tangent = torch.func.jvp(lambda unused: decoder(hidden),
+                                                    (primal,), (tangent,))
+            decoder(hidden).float().sum().backward()
+            result[f"{name}_{reshard}"] = {
+                "output": output.detach().clone(), "tangent": output_tangent.detach().clone(),
+                "grads": [_full(p.grad) for m in (encoder, decoder) for p in m.parameters()],
+            }
+    return result
+
+
 CASES = (
     ("clip_grad_norm", clip_grad_norm),
     ("mixed_precision_dtypes", mixed_precision_dtypes),
@@ -408,4 +457,5 @@ CASES = (
     ("structured_activations", structured_activations),
     ("unused_outputs_and_modules", unused_outputs_and_modules),
     ("frozen_weights_in_group", frozen_weights_in_group),
+    ("forward_mode_jvp", forward_mode_jvp),
 )
