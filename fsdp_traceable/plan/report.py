@@ -102,7 +102,7 @@ def format_plan(plan: Plan, setup: dict[str, Any], gpu: str | None = None) -> st
         f"  peak ({plan.peak_phase:9s})              {_gib(plan.peak_bytes)}",
         "",
         "collectives per step (bytes: the unsharded buffer; group '*': every block)",
-        f"  {'group':34s} {'kind':15s} {'count':>7s} {'GiB':>12s}",
+        f"  {'group':34s} {'kind':15s} {'count':>7s} {'MiB':>16s}",
     ]
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for group, kinds in sorted(_group_rows(plan).items()):
@@ -111,10 +111,10 @@ def format_plan(plan: Plan, setup: dict[str, Any], gpu: str | None = None) -> st
                 count, nbytes = kinds[kind]
                 totals[kind][0] += count
                 totals[kind][1] += nbytes
-                lines.append(f"  {group:34s} {kind:15s} {count:7d} {nbytes / GIB:12.3f}")
+                lines.append(f"  {group:34s} {kind:15s} {count:7d} {nbytes / 2**20:16,.3f}")
     for kind in _KINDS:
         count, nbytes = totals.get(kind, (0, 0))
-        lines.append(f"  {'total':34s} {kind:15s} {count:7d} {nbytes / GIB:12.3f}")
+        lines.append(f"  {'total':34s} {kind:15s} {count:7d} {nbytes / 2**20:16,.3f}")
     lines.append(f"\nFLOPs per rank and step: {plan.flops:.3e}")
     if gpu is not None:
         t = step_time(plan, gpu)
