@@ -1,8 +1,8 @@
 """Every change this package makes to torch itself, in one place: this package, one
 module per area of torch (``dtensor``, ``device_mesh``, ``checkpoint_warning``,
-``compiled_autograd``, ``whole_step_recompute``, ``regions``, ``autograd_function``,
-``cpu_vec_isa``, ``precompiled_header``, ``traced_backward``; ``wrapping``: how a patch
-replaces a torch function).
+``checkpointed_side_effects``, ``compiled_autograd``, ``whole_step_recompute``,
+``regions``, ``autograd_function``, ``cpu_vec_isa``, ``precompiled_header``,
+``traced_backward``; ``wrapping``: how a patch replaces a torch function).
 
 [Note: torch patches]
 Each patch below works around one torch behaviour that has no public switch. Each
@@ -23,6 +23,9 @@ Inductor or Triton: each is applied by the package's own entry point that needs 
   ``fully_shard`` call (``fsdp/fully_shard._patch_torch``: the autograd boundary's,
   ``fsdp/autograd_bridge.patch_torch``, and the forward region's,
   ``fsdp/forward_regions.patch_torch``).
+* :func:`allow_checkpointed_group_state`: by a ``fully_shard`` that links a root
+  holding a ``checkpoint_wrapper`` around a sharded module
+  (``fsdp/activation_checkpointing.inside_checkpoint_wrappers``).
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
 * :func:`trace_backward_into_subclasses`, :func:`complete_whole_step_recompute`: by
@@ -45,6 +48,10 @@ from .checkpoint_warning import (
     CONTEXT_FN_WARNING_LOGGER,
     drop_context_fn_warning,
     quiet_context_fn,
+)
+from .checkpointed_side_effects import (
+    allow_checkpointed_group_state,
+    allow_group_state_under_checkpoint,
 )
 from .compiled_autograd import extract_bw_module_exists, rewrite_aot_backwards
 from .cpu_vec_isa import answer_isa_load_checks, isa_load_checks_answered
@@ -73,6 +80,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CONTEXT_FN_WARNING",
+    "allow_checkpointed_group_state",
+    "allow_group_state_under_checkpoint",
     "CONTEXT_FN_WARNING_LOGGER",
     "REMAT_PASS_MODULE",
     "answer_isa_load_checks",

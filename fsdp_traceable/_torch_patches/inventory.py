@@ -62,6 +62,10 @@ MARKS = (
               None, "stamp_out_subgraph", "_fsdp_traceable_links"),
     PatchMark("memoize_region_schemas", FULLY_SHARD, "torch._higher_order_ops.invoke_subgraph",
               "InvokeSubgraphHOP", "gen_schema", "_fsdp_traceable_memo"),
+    # fully_shard's root linking, for a checkpoint_wrapper around a sharded module.
+    PatchMark("allow_checkpointed_group_state", FULLY_SHARD,
+              "torch._dynamo.variables.higher_order_ops", "CheckpointHigherOrderVariable",
+              "_call_function", "_fsdp_traceable_allows_sharded"),
     # fully_shard's first parameter group installs backward regions.
     PatchMark("rewrite_aot_backwards", FULLY_SHARD, "torch._dynamo.compiled_autograd",
               None, "extract_bw_module", "_fsdp_traceable_rewrite"),

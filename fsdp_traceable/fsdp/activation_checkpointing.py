@@ -24,11 +24,18 @@ gradients still flow through the forward's graph. Two things follow for a group:
   the region's activations; the recompute all-gathers them again. A forward running
   inside a backward also issues no forward prefetch: no next forward follows it.
 - Compiled (``torch.compile``, ``compile_step``), Dynamo traces a checkpointed region as
-  one higher-order op, and a group's forward inside one (a ``fully_shard``-ed module
-  inside a ``checkpoint_wrapper``) changes the group's state, which that op refuses, or,
-  in a whole step, recomputes without it. So such a forward raises when traced: the
-  compiled recipes checkpoint the ``fully_shard``-ed module itself (``checkpoint_wrapper``
-  first, then ``fully_shard``: torchtitan's order).
+  one higher-order op, which refuses any change of Python state in it. A group's traced
+  forward inside one (a ``fully_shard``-ed module inside a ``checkpoint_wrapper``) binds
+  its unsharded parameters to the module and unbinds them before it returns, and the
+  compiled recompute re-gathers them from the graph's own all-gathers: nothing of that
+  state is to be redone in backward. So the module a ``checkpoint_wrapper`` checkpoints
+  is marked when it holds sharded modules, and Dynamo allows side effects in that
+  checkpoint only (:func:`~fsdp_traceable._torch_patches.allow_checkpointed_group_state`).
+  Such a group's forward is never a forward region: a region called inside a
+  checkpointed region computed other numbers in a whole step (``compile_step``,
+  ``aot_eager``) where the bound parameters give FSDP2's. A checkpoint of a plain
+  function that calls a sharded module (``checkpoint(lambda x: block(x), x)``) is not
+  marked: Dynamo refuses it, naming its global switch.
 - Selective AC (a ``context_fn`` of ``create_selective_checkpoint_contexts``) records
   every op of the region in forward and looks each one up again, in order, in the
   recompute. The group's gathers differ between the two (forward may take a prefetched
@@ -49,6 +56,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+from .._torch_patches import allow_checkpointed_group_state, allow_group_state_under_checkpoint
 
 # The dispatch modes of selective AC: recording in forward, replaying in the recompute.
 _SELECTIVE_CHECKPOINT_MODES = tuple(
@@ -77,22 +86,15 @@ def outside_selective_checkpoint() -> Iterator[None]:
 
 def inside_checkpoint_wrappers(root: nn.Module, fsdp_module_cls: type) -> list[nn.Module]:
     """The ``fsdp_module_cls`` modules under ``root`` that sit inside a torch
-    ``checkpoint_wrapper`` (other than the wrapper itself)."""
+    ``checkpoint_wrapper`` (other than the wrapper itself); marks the module each such
+    wrapper checkpoints for Dynamo (see [Note: activation checkpointing])."""
     found: dict[int, nn.Module] = {}
     for wrapper in root.modules():
         if isinstance(wrapper, CheckpointWrapper):
-            for module in wrapper.modules():
-                if module is not wrapper and isinstance(module, fsdp_module_cls):
-                    found[id(module)] = module
+            inside = [m for m in wrapper.modules()
+                      if m is not wrapper and isinstance(m, fsdp_module_cls)]
+            if inside:
+                allow_checkpointed_group_state()
+                allow_group_state_under_checkpoint(wrapper._checkpoint_wrapped_module)
+            found.update((id(m), m) for m in inside)
     return list(found.values())
-
-
-def raise_traced_inside_checkpoint(name: str) -> None:
-    """The error for a group's forward traced inside a checkpointed region."""
-    raise NotImplementedError(
-        f"the fully_shard-ed module {name or '<root>'!r} runs inside a checkpoint_wrapper: "
-        "eagerly that works, but torch.compile and compile_step trace a checkpointed region "
-        "as one op that a group's forward cannot run in. Checkpoint the fully_shard-ed "
-        "module itself instead: checkpoint_wrapper(block), then fully_shard (torchtitan's "
-        "order; see [Note: activation checkpointing])"
-    )

@@ -519,8 +519,10 @@ class FSDPModule(TorchFSDPModule):
         # traced over as the plain one.
         compiled_compute = (None if comm.use_traced_path()
                             else self.__dict__.get(COMPILED_COMPUTE))
-        # See [Note: forward regions]: a region binds the parameters itself.
+        # See [Note: forward regions]: a region binds the parameters itself. Not inside
+        # a checkpointed region (see [Note: activation checkpointing]).
         region_possible = (compiled_compute is None
+                           and not group.settings.inside_checkpoint_wrapper
                            and INSTANCE_FORWARD not in self.__dict__
                            and not hooks.pre and not hooks.post
                            and forward_regions.forward_regions_in_use()

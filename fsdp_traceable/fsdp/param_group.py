@@ -378,8 +378,6 @@ class ParamGroup:
             self.restore_post_accumulate_hooks()
         self.params.check_materialized()
         settings = self.settings
-        if traced and settings.inside_checkpoint_wrapper:
-            activation_checkpointing.raise_traced_inside_checkpoint(self.name)
         if traced and (settings.explicit_forward_prefetch or settings.explicit_backward_prefetch):
             raise NotImplementedError(
                 "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch schedule "

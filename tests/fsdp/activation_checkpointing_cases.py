@@ -66,14 +66,19 @@ class FunctionCheckpoint(nn.Module):
 def checkpoint_and_shard(model: Transformer, fully_shard_fn: Callable, order: str, ac: str,
                          compile_backend: str | None = None, **kwargs: Any) -> Transformer:
     """Checkpoints every block of ``model`` and shards it (blocks, then the root) in
-    ``order`` (see the module docstring); with ``compile_backend``, torchtitan's recipe:
-    AC, then each block compiled (``module.compile``), then ``fully_shard``."""
+    ``order`` (see the module docstring); with ``compile_backend``, each block compiled
+    (``module.compile``): torchtitan's recipe (AC, then compile, then ``fully_shard``) or
+    the checkpoint wrapper around the sharded block compiled."""
     for i, layer in enumerate(model.layers):
-        if compile_backend is not None:
-            assert order == "ac_then_fsdp", order
+        if compile_backend is not None and order == "ac_then_fsdp":
             wrapped = checkpoint_wrapper(layer, **_checkpoint_kwargs(ac))
             wrapped.compile(backend=compile_backend, fullgraph=True)
             model.layers[i] = fully_shard_fn(wrapped, **kwargs)
+        elif compile_backend is not None:
+            assert order == "fsdp_then_ac", order
+            model.layers[i] = checkpoint_wrapper(fully_shard_fn(layer, **kwargs),
+                                                 **_checkpoint_kwargs(ac))
+            model.layers[i].compile(backend=compile_backend, fullgraph=True)
         elif order == "ac_then_fsdp":
             model.layers[i] = fully_shard_fn(checkpoint_wrapper(layer, **_checkpoint_kwargs(ac)),
                                              **kwargs)

@@ -91,15 +91,27 @@ def train_modes(
 def run_steps(model: nn.Module, rank: int, world_size: int, mode: str, steps: int,
               config: TransformerConfig = UNEVEN, backward_backend=None) -> dict[str, Any]:
     """``steps`` AdamW steps of ``model.loss`` in ``mode``; see :func:`train_modes`.
-    ``backward_backend``: compiled autograd's backend, for its modes."""
+    ``backward_backend``: compiled autograd's backend, for its modes. The ``whole-step``
+    modes compile forward and backward as one graph (:func:`fsdp_traceable.compile_step`)."""
     optimizer = make_optimizer("adamw", model.parameters())
-    compute_loss = loss_fn(model, mode)
+    whole_step = None
+    if mode.startswith("whole-step"):
+        def train_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            return loss.detach()
+
+        whole_step = fsdp_traceable.compile_step(train_step, backend=compile_backend(mode))
+    compute_loss = loss_fn(model, mode) if whole_step is None else None
     backward_ctx = backward_context(mode, backward_backend)
     losses, grads = [], None
     for step in range(steps):
-        loss = compute_loss(*batch(step, rank, world_size, config))
-        with backward_ctx():
-            loss.backward()
+        if whole_step is not None:
+            loss = whole_step(*batch(step, rank, world_size, config))
+        else:
+            loss = compute_loss(*batch(step, rank, world_size, config))
+            with backward_ctx():
+                loss.backward()
         losses.append(loss.item())
         if grads is None:
             grads = [None if p.grad is None else _local(p.grad).clone() for p in model.parameters()]

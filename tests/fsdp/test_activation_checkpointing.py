@@ -6,9 +6,11 @@ bit for bit FSDP2's, each block's forward run again in backward exactly as often
 under FSDP2 (the recompute happens: nothing of a checkpointed block is kept), and no
 more all-gathers than FSDP2 issues; in torchtitan's order, a step's peak of host memory
 at or below FSDP2's (measured equal). Compiled (``aot_eager``: Dynamo, AOTAutograd and
-the partitioner's recompute, without Inductor's code generation): the whole model under
-``torch.compile(fullgraph=True)`` with its backward under compiled autograd, within
-1e-5 of FSDP2 eager with no graph break.
+the partitioner's recompute, without Inductor's code generation): each block compiled,
+in torchtitan's order and with the checkpoint wrapper around the sharded block, and the
+whole model under ``torch.compile(fullgraph=True)`` with its backward under compiled
+autograd, and the other order's whole step (``compile_step``), within 1e-5 of FSDP2 eager with
+no graph break.
 """
 
 from __future__ import annotations
@@ -17,11 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 from torch._dynamo.utils import counters
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from fsdp_traceable import fully_shard
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp.activation_checkpointing_cases import (
     ORDERS,
@@ -33,20 +32,27 @@ from tests.fsdp.feature_cases import assert_bitwise, run_cases
 
 EAGER = [(f"{order}-{ac}", checkpointed_training, (order, ac))
          for order in ORDERS for ac in ("full", "selective")]
-# torchtitan's recipe (AC, then each block compiled, then fully_shard) with both AC
-# kinds; the whole model compiled with compiled autograd where torch compiles a
-# checkpointed attention block with DTensor inputs (see below).
-COMPILED = [(f"ac_then_fsdp-{ac}-blocks", checkpointed_training,
-             ("ac_then_fsdp", ac, "block-aot-eager")) for ac in ("full", "selective")]
-WHOLE_MODEL = ("ac_then_fsdp-full-compile-ca", checkpointed_training,
-               ("ac_then_fsdp", "full", "compile-ca-aot-eager"))
+# torchtitan's recipe (AC, then each block compiled, then fully_shard) and the other
+# order (a checkpoint_wrapper around each sharded block, compiled), with both AC kinds;
+# the whole model compiled with compiled autograd where torch compiles a checkpointed
+# attention block with DTensor inputs (see below).
 # torch 2.13's AOTAutograd saves a DTensor input's DeviceMesh for the backward of a
 # checkpointed scaled_dot_product_attention and then asserts that every saved value is a
 # tensor; docs/repros/sdpa_checkpoint_dtensor.py shows it without this package (2.15
-# compiles it; 2.14 is not checked).
-WHOLE_MODEL_COMPILES = torch.__version__ >= "2.15"
-if WHOLE_MODEL_COMPILES:
-    COMPILED.append(WHOLE_MODEL)
+# compiles it; 2.14 is not checked). The sharded parameters are such inputs where the
+# checkpoint holds the group's forward: the other order, and the whole model.
+DTENSOR_CHECKPOINT_COMPILES = torch.__version__ >= "2.15"
+COMPILED = [(f"ac_then_fsdp-{ac}-blocks", checkpointed_training,
+             ("ac_then_fsdp", ac, "block-aot-eager")) for ac in ("full", "selective")]
+OTHER_ORDER = [(f"fsdp_then_ac-{ac}-blocks", checkpointed_training,
+                ("fsdp_then_ac", ac, "block-aot-eager")) for ac in ("full", "selective")]
+WHOLE_MODEL = [(f"{order}-full-compile-ca", checkpointed_training,
+                (order, "full", "compile-ca-aot-eager"))
+               for order in ("ac_then_fsdp", "fsdp_then_ac")]
+WHOLE_MODEL.append(("fsdp_then_ac-selective-whole-step", checkpointed_training,
+                    ("fsdp_then_ac", "selective", "whole-step-aot-eager")))
+if DTENSOR_CHECKPOINT_COMPILES:
+    COMPILED += OTHER_ORDER + WHOLE_MODEL
 ATOL = 1e-5
 
 
@@ -88,9 +94,10 @@ def test_eager_checkpointed_blocks_match_fsdp2_bitwise(two_ranks, name):
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", [name for name, _, _ in COMPILED[:2]] + [pytest.param(
-    WHOLE_MODEL[0], marks=pytest.mark.skipif(
-        not WHOLE_MODEL_COMPILES, reason="torch before 2.15 fails on a checkpointed attention "
-        "block with DTensor inputs (docs/repros/sdpa_checkpoint_dtensor.py)"))])
+    name, marks=pytest.mark.skipif(
+        not DTENSOR_CHECKPOINT_COMPILES, reason="torch before 2.15 fails on a checkpointed "
+        "attention block with DTensor inputs (docs/repros/sdpa_checkpoint_dtensor.py)"))
+    for name, _, _ in OTHER_ORDER + WHOLE_MODEL])
 def test_compiled_checkpointed_blocks_within_1e5_of_fsdp2(two_ranks, name):
     for result in _results(two_ranks, name):
         theirs, ours = result["theirs"], result["ours"]
@@ -107,14 +114,3 @@ def test_checkpointed_step_peak_not_above_fsdp2(two_ranks, name):
     for peaks in _results(two_ranks, name):
         assert peaks["ours"] <= peaks["theirs"], peaks
 
-
-def test_compiled_forward_of_a_sharded_module_inside_a_checkpoint_wrapper_raises(fake_mesh):
-    """Eagerly it trains (above); traced, it raises naming the fix instead of computing
-    without the group's life cycle."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    model[0] = checkpoint_wrapper(fully_shard(model[0], mesh=fake_mesh))
-    fully_shard(model, mesh=fake_mesh)
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="runs inside a checkpoint_wrapper.*torchtitan's order"):
-        torch.compile(model, backend="eager", fullgraph=True)(torch.randn(2, 4))
