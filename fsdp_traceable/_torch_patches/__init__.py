@@ -27,7 +27,7 @@ Inductor or Triton: each is applied by the package's own entry point that needs 
   holding a ``checkpoint_wrapper`` around a sharded module
   (``fsdp/activation_checkpointing.inside_checkpoint_wrappers``).
 * :func:`rewrite_aot_backwards`: on the first parameter group built
-  (``backward_regions.install``, through ``fsdp/features/block_backward.py``).
+  (``backward_regions.install``, through ``fsdp/block_backward.py``).
 * :func:`trace_backward_into_subclasses`, :func:`complete_whole_step_recompute`: by
   :func:`fsdp_traceable.compile_step`.
 * :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved

@@ -20,9 +20,9 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
 from ..collectives import comm
-from . import backward_finalization, forward_regions
+from . import backward_finalization, block_backward, forward_regions
 from .backward_finalization import GradientReductionHandle
-from .features import block_backward, module_compile
+from .features import module_compile
 from .features.module_compile import COMPILED_COMPUTE
 from .module_state import FSDPModuleState, state_of
 from .param_group import ParamGroup

@@ -24,10 +24,9 @@ from ..collectives import comm
 from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import labelled, phase
 from ..tracing import in_backward
-from . import activation_checkpointing, group_all_gather, post_accumulate_hooks
+from . import activation_checkpointing, block_backward, group_all_gather, post_accumulate_hooks
 from .autograd_bridge import unshard_params
 from .eager_state import EagerState
-from .features import block_backward
 from .features.all_gather_extensions import PendingUnshard
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce

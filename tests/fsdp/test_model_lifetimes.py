@@ -29,7 +29,7 @@ def _module(name: str):
 # must be back to its size once the models are gone.
 _REGISTRIES: dict[str, Callable[[], int]] = {
     "block_backward._shard_group_names": lambda: len(
-        _module("fsdp.features.block_backward")._shard_group_names),
+        _module("fsdp.block_backward")._shard_group_names),
     "install._predicates": lambda: len(_module("backward_regions.install")._predicates),
     "install._outlined": lambda: len(_module("backward_regions.install")._outlined),
     "fully_shard._replaced_params": lambda: len(_module("fsdp.fully_shard")._replaced_params),
