@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ... import backward_regions
-from ...collectives import comm
+from .. import backward_regions
+from ..collectives import comm
 
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
