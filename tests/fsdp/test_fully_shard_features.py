@@ -267,6 +267,31 @@ def test_cast_forward_inputs_and_output_dtype_match_fsdp2(two_ranks, scenario: s
 
 
 @pytest.mark.gloo
+def test_mixed_precision_details_match_fsdp2(two_ranks):
+    for result in case_results(two_ranks, "mixed_precision_details"):
+        runs = sorted({key.split("_", 1)[1] for key in result if key.startswith("ours_")})
+        assert len(runs) == 8
+        for run in runs:
+            if f"theirs_{run}" not in result:  # FSDP2's own bug, see the case
+                assert "grad_dtype" in result["fsdp2_frozen_first_forward_error"]
+                continue
+            assert_same_training(result[f"theirs_{run}"], result[f"ours_{run}"])
+            for key in ("seen", "reduce_dtypes"):
+                assert result[f"ours_{run}"].get(key) == result[f"theirs_{run}"].get(key), run
+        ours = {run: result[f"ours_{run}"] for run in runs}
+        assert all(g.dtype == torch.float32 for g in ours["frozen_first_forward"]["grads"])
+        # A second input the caller makes is cast only if the submodule casts.
+        assert ours["external_True"]["seen"] == {"x": "torch.bfloat16", "y": "torch.bfloat16"}
+        assert ours["external_False"]["seen"] == {"x": "torch.bfloat16", "y": "torch.float32"}
+        # The checkpoint's recompute (it stops once it has what backward saved) casts as
+        # the forward did.
+        in_bf16 = "in:torch.bfloat16"
+        assert ours["checkpoint_input"]["seen"] == [in_bf16, "out:torch.bfloat16", in_bf16]
+        assert ours["checkpoint_output"]["seen"] == [in_bf16, "out:torch.float32", in_bf16]
+        assert ours["frozen_first_forward"]["reduce_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.gloo
 def test_structured_activations_between_groups_match_fsdp2(two_ranks):
     results = case_results(two_ranks, "structured_activations")
     for result in results:

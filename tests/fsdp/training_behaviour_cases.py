@@ -232,6 +232,124 @@ def forward_input_casts(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+class _ExternalInput(nn.Module):
+    """Its forward takes a second input that its caller makes, not the previous layer."""
+
+    def __init__(self, seen: dict[str, torch.dtype]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen["x"], self.seen["y"] = x.dtype, y.dtype
+        return self.lin(x) * y
+
+
+class _WithExternal(nn.Module):
+    def __init__(self, seen: dict[str, torch.dtype]) -> None:
+        super().__init__()
+        self.first = nn.Linear(DIM, DIM)
+        self.inner = _ExternalInput(seen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.first(x), torch.ones(x.shape[0], DIM)).float()
+
+
+class _CheckpointedLinear(nn.Module):
+    """A sharded linear called under ``torch.utils.checkpoint``; records the dtypes its
+    forward (and the recompute) sees and returns."""
+
+    def __init__(self, checkpoint_input_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.checkpoint_input_dtype = checkpoint_input_dtype
+        self.seen: list[str] = []
+        self.lin.register_forward_pre_hook(
+            lambda module, args: self.seen.append(f"in:{args[0].dtype}"))
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.seen.append(f"out:{out.dtype}")
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.checkpoint_input_dtype)
+        return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False).float()
+
+
+def _norm_model(kind: str) -> nn.Sequential:
+    if kind == "layer_norm":
+        return nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM), nn.Linear(DIM, DIM))
+    if kind == "batch_norm_1d":
+        return nn.Sequential(nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM), nn.Linear(DIM, DIM))
+    return nn.Sequential(nn.Linear(DIM, DIM), nn.Unflatten(1, (1, 3, 4)), nn.Conv2d(1, 2, 2),
+                         nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(12, DIM))
+
+
+def mixed_precision_details(rank: int, world_size: int) -> dict[str, Any]:
+    """Casts FSDP2's mixed-precision tests check one by one: a second forward input the
+    caller makes (cast, or not with ``cast_forward_inputs=False``); a sharded module
+    under ``torch.utils.checkpoint`` (the recompute casts its inputs, or its output with
+    ``output_dtype``); norm layers sharded on their own, layer norm in bf16, batch norm
+    in fp32 with its fp32 buffers (``output_dtype`` bf16 only, as CPU batch norm wants);
+    a frozen model's first forward under ``no_grad``, then trained (fp32 reduction)."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    result: dict[str, Any] = {}
+    for name, fully_shard_fn in LIBRARIES:
+        for submodule_casts in (True, False):
+            seen: dict[str, torch.dtype] = {}
+            torch.manual_seed(0)
+            model = _WithExternal(seen)
+            fully_shard_fn(model.inner, mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, cast_forward_inputs=submodule_casts))
+            fully_shard_fn(model, mp_policy=bf16)
+            trained = _train_small(model, rank)
+            trained["seen"] = {k: str(v) for k, v in seen.items()}
+            result[f"{name}_external_{submodule_casts}"] = trained
+        for recompute_cast in ("input", "output"):
+            torch.manual_seed(0)
+            model = _CheckpointedLinear(torch.float32 if recompute_cast == "input"
+                                        else torch.bfloat16)
+            policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+                      if recompute_cast == "input" else
+                      MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                           output_dtype=torch.float32, cast_forward_inputs=False))
+            fully_shard_fn(model.lin, mp_policy=policy)
+            fully_shard_fn(model, mp_policy=policy)
+            trained = _train_small(model, rank, steps=1)
+            trained["seen"] = model.seen
+            result[f"{name}_checkpoint_{recompute_cast}"] = trained
+        for kind in ("layer_norm", "batch_norm_1d", "batch_norm_2d"):
+            torch.manual_seed(0)
+            model = _norm_model(kind)
+            for i, module in enumerate(model):
+                if any(True for _ in module.parameters()):
+                    norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+                    fully_shard_fn(module, mp_policy=(
+                        MixedPrecisionPolicy(output_dtype=torch.bfloat16) if norm else bf16))
+            fully_shard_fn(model, mp_policy=bf16)
+            result[f"{name}_{kind}"] = _train_small(model, rank)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+        fully_shard_fn(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                             reduce_dtype=torch.float32))
+        model.requires_grad_(False)
+        with torch.no_grad():
+            model(_inputs(rank, 9))
+        model.requires_grad_(True)
+        try:
+            with _record_reduce_scatters(lambda out, inp: str(inp.dtype)) as dtypes:
+                trained = _train_small(model, rank, steps=1)
+        except RuntimeError as error:  # FSDP2 of torch 2.13 reduces in bf16 here, then fails
+            if name == "ours":
+                raise
+            result["fsdp2_frozen_first_forward_error"] = str(error).splitlines()[0]
+            continue
+        trained["reduce_dtypes"] = sorted(set(dtypes))
+        result[f"{name}_frozen_first_forward"] = trained
+    return result
+
+
 # -- structured activations, unused outputs and modules -----------------------------------
 
 
@@ -454,6 +572,7 @@ CASES = (
     ("clip_grad_norm", clip_grad_norm),
     ("mixed_precision_dtypes", mixed_precision_dtypes),
     ("forward_input_casts", forward_input_casts),
+    ("mixed_precision_details", mixed_precision_details),
     ("structured_activations", structured_activations),
     ("unused_outputs_and_modules", unused_outputs_and_modules),
     ("frozen_weights_in_group", frozen_weights_in_group),
