@@ -5,6 +5,7 @@ world size, traced on one CPU with fake tensors and a fake process group
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from dataclasses import asdict
 
@@ -54,16 +55,20 @@ def setup_of(args: PlanArgs) -> dict:
     return setup
 
 
+def _require_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError("--plot needs matplotlib, which is not installed: pip install "
+                           "matplotlib, or leave out --plot")
+
+
 def write_plot(plan: Plan, path: str, title: str) -> None:
     """The deepest traced step's memory over its allocations, phases marked."""
-    try:
-        import matplotlib
+    _require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib, which is not installed: pip install "
-                           "matplotlib, or leave out --plot") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, axes = plt.subplots(figsize=(8, 4))
     axes.plot([b / GIB for b in plan.timeline])
     for index, phase in plan.phase_starts:
@@ -79,6 +84,8 @@ def write_plot(plan: Plan, path: str, title: str) -> None:
 def run_plan_command(namespace: argparse.Namespace, started: float) -> int:
     """Runs ``plan`` and prints its table (or JSON)."""
     args = plan_args_from(namespace)
+    if args.plot:
+        _require_matplotlib()  # before the trace, not after it
     say("building the model on meta and tracing its step on fake tensors", started)
     plan = plan_for(args)
     setup = setup_of(args)

@@ -3,6 +3,7 @@ refusals."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -33,3 +34,10 @@ def test_plan_refuses_pipeline_parallel_and_a_tp_that_does_not_divide() -> None:
         main([*SMALL, "--pp", "2"])
     with pytest.raises(ValueError, match="--tp 3"):
         main([*SMALL, "--world-size", "4", "--tp", "3"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None,
+                    reason="matplotlib is installed: the plot is drawn")
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="pip install matplotlib"):
+        main([*SMALL, "--plot", str(tmp_path / "memory.png")])
