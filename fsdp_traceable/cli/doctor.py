@@ -71,6 +71,7 @@ def _apply_each_entry_points_patches() -> None:
     from ..fsdp.fully_shard import _patch_torch as fully_shards_patches
 
     fully_shards_patches()
+    _torch_patches.drop_mesh_hash_from_pickles()  # fully_shard: with its meshes, none here
     backward_regions.install(lambda compiled_function, bw_module: False)  # its first group
     _torch_patches.trace_backward_into_subclasses()
     _torch_patches.complete_whole_step_recompute()
