@@ -29,7 +29,9 @@ Inductor or Triton: each is applied by the package's own entry point that needs 
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/block_backward.py``).
 * :func:`trace_backward_into_subclasses`, :func:`complete_whole_step_recompute`: by
-  :func:`fsdp_traceable.compile_step`.
+  :func:`fsdp_traceable.compile_step`; the latter also by a ``fully_shard`` forward that
+  Dynamo traces with ``trace_autograd_ops`` on (``fsdp/traced_step_passes.py``), and it
+  acts on graphs holding the package's ops only.
 * :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved
   step's CPU ISA probe outcome is taken (``whole_step.cpu_isa_probe.trust_saved_probe``).
 * :func:`skip_header_precompile_on_load`: by :func:`header_precompile_skipped`, while
@@ -58,7 +60,7 @@ from .cpu_vec_isa import answer_isa_load_checks, isa_load_checks_answered
 from .device_mesh import drop_mesh_hash_from_pickles
 from .dtensor import shard_uneven_new_empty_strided, skip_dtensor_unflatten_frames
 from .precompiled_header import header_precompile_skipped, skip_header_precompile_on_load
-from .regions import link_stamped_out_regions, memoize_region_schemas
+from .regions import link_stamped_out_regions, mark_package_compile, memoize_region_schemas
 from .traced_backward import (
     dynamo_traces_backward,
     subclass_patch_needed,
@@ -94,6 +96,7 @@ __all__ = [
     "header_precompile_skipped",
     "isa_load_checks_answered",
     "link_stamped_out_regions",
+    "mark_package_compile",
     "memoize_region_schemas",
     "quiet_context_fn",
     "rewrite_aot_backwards",

@@ -4,6 +4,7 @@ call's schema built once."""
 from __future__ import annotations
 
 import operator
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,52 @@ import torch
 import torch.fx as fx
 
 from .wrapping import wrap_once
+
+# The package's own regions are called from its source files only (forward regions by
+# fsdp/, copy regions by whole_step/): see is_package_call.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+# The compiles (their CompileContext, weakly: compile ids repeat after a Dynamo reset)
+# whose Dynamo trace ran a fully_shard forward: the schema memo's scope.
+_package_compiles: weakref.WeakSet = weakref.WeakSet()
+
+
+def _compile() -> Any | None:
+    from torch._guards import CompileContext
+
+    return CompileContext.try_get()
+
+
+def mark_package_compile() -> bool:
+    """Records that the compile Dynamo runs now traces the package's work (called while
+    it traces a ``fully_shard`` forward); returns whether there was one to record."""
+    context = _compile()
+    if context is not None:
+        _package_compiles.add(context)
+    return context is not None
+
+
+def in_package_compile() -> bool:
+    """Whether the compile running now was recorded by :func:`mark_package_compile`."""
+    context = _compile()
+    return context is not None and context in _package_compiles
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def is_package_call(tx: Any) -> bool:
+    """Whether the region call Dynamo is tracing was made by the package's own code: the
+    innermost traced frame outside torch (``tx`` is the region's torch wrapper, its
+    ``parent`` chain the callers) is one of the package's files."""
+    while tx is not None:
+        code = getattr(tx, "f_code", None)
+        if code is None:
+            return False
+        if not code.co_filename.startswith(_TORCH_DIR):
+            return code.co_filename.startswith(_PACKAGE_DIR)
+        tx = getattr(tx, "parent", None)
+    return False
 
 
 class _Linked(torch.autograd.Function):
@@ -65,7 +112,10 @@ def link_stamped_out_regions() -> bool:
     (``trace_autograd_ops``) finds what to differentiate by walking that history, so the
     inputs of every reused call (every block's parameters but the first's) get no
     gradient. Each reused output is linked to the inputs that the same output of the
-    traced call reaches (:class:`_Linked`); the graph itself is unchanged.
+    traced call reaches (:class:`_Linked`); the graph itself is unchanged. Only calls
+    of the package's own regions (made from its source, :func:`is_package_call`) are
+    linked; a user's region reused in the same process stays as torch leaves it
+    (``docs/repros/region_reuse_autograd_history.py``).
 
     Applies to: every torch with ``torch._dynamo.variables.invoke_subgraph.stamp_out_subgraph``
     (2.12 to 2.14).
@@ -85,6 +135,8 @@ def link_stamped_out_regions() -> bool:
     def link(current: Callable[..., Any]) -> Callable[..., Any]:
         def stamp_out_subgraph(tx: Any, fingerprint: Any, cached: Any) -> Any:
             result = current(tx, fingerprint, cached)
+            if not is_package_call(tx):
+                return result
             calls = [n for n in tx.output.current_tracer.graph.nodes
                      if n.op == "call_function"
                      and n.target is torch.ops.higher_order.invoke_subgraph
@@ -137,7 +189,10 @@ def memoize_region_schemas() -> bool:
     call in a whole step), although every call of one region with the same argument
     layout gets the same schema. The schema is kept per region graph (weakly), its
     code (what the trace runs), and the argument layout (shapes, strides, dtypes,
-    devices, ``requires_grad``); calls with symbolic sizes are not memoized.
+    devices, ``requires_grad``); calls with symbolic sizes are not memoized. Only within
+    a compile whose Dynamo trace ran a ``fully_shard`` forward
+    (:func:`mark_package_compile`); a user's own compile builds every schema as torch
+    builds it (``docs/repros/region_schema_retrace.py``).
 
     Applies to: every torch with ``InvokeSubgraphHOP.gen_schema`` (2.11 to 2.14).
 
@@ -155,7 +210,8 @@ def memoize_region_schemas() -> bool:
         def gen_schema(self: Any, subgraph: Any, identifier: str | None, *operands: Any) -> Any:
             graph = getattr(subgraph, "subgraph", subgraph)  # a FunctionalizeCtxWrapper's graph
             key = _schema_key(subgraph, identifier, operands)
-            if key is None or not isinstance(graph, fx.GraphModule):
+            if (key is None or not isinstance(graph, fx.GraphModule)
+                    or not in_package_compile()):
                 return current(self, subgraph, identifier, *operands)
             # Keyed by the graph's code too: a pass that edits the graph recompiles it.
             key = (graph.code, *key)

@@ -115,6 +115,31 @@ def recompute_views_of_recomputed(gm: fx.GraphModule) -> int:
     return tagged
 
 
+PACKAGE_OPS = "fsdp_traceable."
+
+
+def _root_target(node: fx.Node) -> str:
+    root = _root(node)
+    return str(getattr(root, "target", "")) if root is not None else ""
+
+
+def holds_package_ops(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a region's graph in it) was traced from the package's work: an
+    op of the ``torch.ops.fsdp_traceable`` namespace, in the graph or in Dynamo's graph
+    it was traced from (the copy ops decompose, so AOTAutograd's graph holds them only
+    as the ``from_node`` sources of their nodes)."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            namespace = getattr(node.target, "namespace", None)
+            if namespace == PACKAGE_OPS[:-1] or _root_target(node).startswith(PACKAGE_OPS):
+                return True
+    return False
+
+
 def complete_whole_step_recompute() -> bool:
     """Torch's recompute pass for forward-loss-backward graphs re-gathers every
     resharded group in backward and keeps none of its unsharded parameters.
@@ -145,8 +170,13 @@ def complete_whole_step_recompute() -> bool:
     On 2.11 and 2.12 the nodes the pass re-runs carry their forward originals' meta;
     they are marked backward after it (:func:`mark_recomputed_as_backward`).
 
-    The pass is wrapped so both run first. Where blocks run as forward regions, the
-    backward reads their recomputed parameters from the re-gather first, and after
+    The pass is wrapped so both run first, on graphs that hold the package's ops only
+    (:func:`holds_package_ops`): any other graph, a user's own, gets torch's pass
+    unchanged. Applied by :func:`fsdp_traceable.compile_step` and whenever Dynamo
+    traces a ``fully_shard`` module's forward with ``trace_autograd_ops`` on (see
+    [Note: the whole step's passes in every whole step] in
+    ``fsdp/traced_step_passes.py``). Where blocks run as forward regions, the backward
+    reads their recomputed parameters from the re-gather first, and after
     the pass each collective moves across the region call next to it, for overlap,
     and what a region returns of its own inputs is read from those inputs, which
     Inductor would otherwise overwrite before the backward reads them
@@ -169,6 +199,8 @@ def complete_whole_step_recompute() -> bool:
 
     def complete(current: Callable[..., Any]) -> Callable[..., Any]:
         def remat_using_tags_for_fwd_loss_bwd_graph(gm: fx.GraphModule) -> fx.GraphModule:
+            if not holds_package_ops(gm):
+                return current(gm)
             mark_backward_spans(gm, annotate=annotate)
             reroute_region_inputs_to_backward(gm)
             recompute_views_of_recomputed(gm)

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import deprecated
 
 from ..collectives import comm
-from . import backward_finalization, block_backward, forward_regions
+from . import backward_finalization, block_backward, forward_regions, traced_step_passes
 from .backward_finalization import GradientReductionHandle
 from .features import module_compile
 from .features.module_compile import COMPILED_COMPUTE
@@ -515,6 +515,7 @@ class FSDPModule(TorchFSDPModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
         hooks = self.__dict__["_fsdp_inner_hooks"]
+        traced_step_passes.prepare_traced_step()
         # Traced (the module inside a larger compiled graph), the compiled compute is
         # traced over as the plain one.
         compiled_compute = (None if comm.use_traced_path()

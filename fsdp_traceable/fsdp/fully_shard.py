@@ -143,6 +143,9 @@ def fully_shard(
     for _, param, _ in owned:
         _replaced_params[param] = True
     stale_optimizers.watch(_replaced_params)
+    _torch_patches.drop_mesh_hash_from_pickles(
+        mesh, *(spmd[:1] if spmd is not None else ()),
+        *{id(p.device_mesh): p.device_mesh for p in group.params.sharded_params}.values())
     for sharded in group.params.sharded_params:
         setattr(sharded, _SHARDED_MARK, True)
     owner_names: dict[int, tuple[nn.Module, list[str]]] = {}
@@ -172,7 +175,6 @@ fully_shard.state = state_of
 def _patch_torch() -> None:
     """See [Note: torch patches]: what ``fully_shard`` modules need of torch, applied by
     every ``fully_shard`` call (again: no change), never by importing the package."""
-    _torch_patches.drop_mesh_hash_from_pickles()
     autograd_bridge.patch_torch()
     forward_regions.patch_torch()
 

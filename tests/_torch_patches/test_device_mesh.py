@@ -10,6 +10,7 @@ import torch
 from torch._inductor.codecache import FxGraphCachePickler
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+import fsdp_traceable
 from fsdp_traceable import _torch_patches
 from fsdp_traceable.introspection.fake_world import fake_process_group
 
@@ -36,13 +37,14 @@ def test_torch_still_pickles_the_mesh_hash() -> None:
 
 
 @needs_mesh_getstate
-def test_pickled_mesh_has_no_hash_and_unpickles_equal() -> None:
+def test_pickled_package_mesh_has_no_hash_and_unpickles_equal() -> None:
     assert _torch_patches.drop_mesh_hash_from_pickles()
     patched = DeviceMesh.__getstate__
     assert _torch_patches.drop_mesh_hash_from_pickles()  # again: not wrapped twice
     assert DeviceMesh.__getstate__ is patched
     with fake_process_group(2, reset_dynamo=False):
         mesh = init_device_mesh("cpu", (2,))
+        fsdp_traceable.fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
         mesh_hash = hash(mesh)
         assert "_hash" not in mesh.__getstate__()
         restored = pickle.loads(pickle.dumps(mesh))
@@ -51,11 +53,24 @@ def test_pickled_mesh_has_no_hash_and_unpickles_equal() -> None:
 
 
 @needs_mesh_getstate
+def test_users_mesh_pickles_as_torch_pickles_it() -> None:
+    # After fully_shard, in the same process: a user's own mesh (even one equal to the
+    # package's) keeps its hash in its pickles, as torch's own __getstate__ does.
+    with fake_process_group(2, reset_dynamo=False):
+        fsdp_traceable.fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2,)))
+        users = init_device_mesh("cpu", (2,))
+        hash(users)
+        assert users.__getstate__() == DeviceMesh.__getstate__.__wrapped__(users)
+        assert "_hash" in users.__getstate__()
+        assert pickle.loads(pickle.dumps(users))._hash == users._hash
+
+
+@needs_mesh_getstate
 def test_fx_graph_cache_key_does_not_depend_on_the_hash_a_process_drew() -> None:
     with fake_process_group(2, reset_dynamo=False):
         mesh = init_device_mesh("cpu", (2,))
         hash(mesh)
-        _torch_patches.drop_mesh_hash_from_pickles()
+        _torch_patches.drop_mesh_hash_from_pickles(mesh)  # as fully_shard(mesh=mesh) does
         keys = set()
         for drawn_hash in (12345, -67890):
             mesh._hash = drawn_hash  # what hash(mesh) cached in two different processes

@@ -22,7 +22,7 @@ from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 
 @pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
                     reason="this torch's Dynamo cannot trace backward()")
-def test_torch_still_refuses_a_whole_step_with_two_resharded_groups() -> None:
+def test_torch_still_refuses_a_whole_step_with_two_resharded_groups(monkeypatch) -> None:
     # fsdp_traceable.compile_step without the wrapped pass: each block's reduce-scatter,
     # in its autograd.Function's backward, splits the traced backward (2.12+); torch
     # 2.11's pass finds no backward at all (it looks for an annotation nothing sets
@@ -31,9 +31,12 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups() -> None:
     from torch._dynamo.backends.common import aot_autograd
 
     from fsdp_traceable._torch_patches.whole_step_recompute import _pass_reads_annotation
+    from fsdp_traceable.fsdp import traced_step_passes
 
     _torch_patches.trace_backward_into_subclasses()
     _torch_patches.complete_whole_step_recompute()
+    # (The forwards would put the wrapped pass back while Dynamo traces them.)
+    monkeypatch.setattr(traced_step_passes, "prepare_traced_step", lambda: None)
     module = importlib.import_module(_torch_patches.REMAT_PASS_MODULE)
     patched = module.remat_using_tags_for_fwd_loss_bwd_graph
     config = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
@@ -67,3 +70,64 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups() -> None:
     if _pass_reads_annotation(module):
         # One all-gather per group (the root and 2 blocks), none again in backward.
         assert count_collectives(graphs[-1])["all_gather"] == 3
+
+
+# -- ... put in place by a plain torch.compile of a whole step, for the package's graphs only
+
+def _recorded_passes(monkeypatch) -> list[fx.GraphModule]:
+    """The graphs the package's completion of torch's pass acts on, from now on, with
+    the pass unwrapped first (as in a process where compile_step never ran)."""
+    from fsdp_traceable._torch_patches import whole_step_recompute
+
+    _torch_patches.complete_whole_step_recompute()
+    module = importlib.import_module(_torch_patches.REMAT_PASS_MODULE)
+    monkeypatch.setattr(module, "remat_using_tags_for_fwd_loss_bwd_graph",
+                        module.remat_using_tags_for_fwd_loss_bwd_graph.__wrapped__)
+    acted_on: list[fx.GraphModule] = []
+    mark = whole_step_recompute.mark_backward_spans
+
+    def recorded(gm: fx.GraphModule, **kwargs: object) -> int:
+        acted_on.append(gm)
+        return mark(gm, **kwargs)
+
+    monkeypatch.setattr(whole_step_recompute, "mark_backward_spans", recorded)
+    return acted_on
+
+
+@pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
+                    reason="this torch's Dynamo cannot trace backward()")
+def test_plain_whole_step_compile_completes_the_pass_for_our_graphs_only(monkeypatch) -> None:
+    # torch.compile of a whole step under trace_autograd_ops, not compile_step: the
+    # fully_shard forwards put the pass in place while Dynamo traces them (without
+    # forward regions torch alone refuses this graph: the test above); a user's own
+    # whole step in the same process then gets torch's pass unchanged.
+    acted_on = _recorded_passes(monkeypatch)
+    config = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with (fake_process_group(2), torch._dynamo.config.patch(trace_autograd_ops=True),
+          torch._functorch.config.patch(enable_autograd_cache=False),
+          fsdp_traceable.config.patch(forward_regions=False)):
+        torch.manual_seed(0)
+        model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            loss = model.loss(tokens, tokens)
+            loss.backward()
+            return loss.detach()
+
+        torch.compile(step, backend="aot_eager", fullgraph=True)(tokens)
+        assert len(acted_on) == 1
+        assert all(p.grad is not None for p in model.parameters())
+
+        users = torch.nn.Linear(4, 4)
+        reference = torch.nn.Linear(4, 4)
+        reference.load_state_dict(users.state_dict())
+        x = torch.randn(3, 4)
+
+        def users_step(x: torch.Tensor) -> None:
+            users(x).square().sum().backward()
+
+        torch.compile(users_step, backend="aot_eager", fullgraph=True)(x)
+        reference(x).square().sum().backward()
+    assert len(acted_on) == 1  # not the user's graph
+    assert torch.equal(users.weight.grad, reference.weight.grad)
