@@ -72,6 +72,7 @@ def _apply_each_entry_points_patches() -> None:
 
     fully_shards_patches()
     _torch_patches.drop_mesh_hash_from_pickles()  # fully_shard: with its meshes, none here
+    _torch_patches.allow_checkpointed_group_state()  # fully_shard: a sharded module checkpointed
     backward_regions.install(lambda compiled_function, bw_module: False)  # its first group
     _torch_patches.trace_backward_into_subclasses()
     _torch_patches.complete_whole_step_recompute()

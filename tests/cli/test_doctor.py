@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _PROGRAM = """
 import contextlib, io, json
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 import fsdp_traceable
 from fsdp_traceable import _torch_patches
 from fsdp_traceable._torch_patches import inventory
@@ -29,8 +30,10 @@ from fsdp_traceable.cli.main import main
 from fsdp_traceable.testing import fake_process_group
 
 start = inventory.patches_in_place()
-with fake_process_group(2):
-    fsdp_traceable.fully_shard(nn.Linear(4, 4))
+with fake_process_group(2):  # a sharded module inside a checkpoint_wrapper too
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0] = checkpoint_wrapper(fsdp_traceable.fully_shard(model[0]))
+    fsdp_traceable.fully_shard(model)
 after_fully_shard = inventory.patches_in_place()
 with contextlib.redirect_stdout(io.StringIO()) as out:
     assert main(["doctor", "--json"]) == 0
