@@ -9,6 +9,7 @@ eager implementations (c10d work, data pointers, ``out=`` buffers) otherwise.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -45,6 +46,16 @@ def constant_result(fn: _F) -> _F:
     checks both mark alike)."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+@constant_result
+def compiled_autograd_tracing() -> bool:
+    """Whether compiled autograd's graph is being compiled (or run) now: Dynamo traces
+    the eager hooks it captured, such as the re-gather of an eager forward's saved
+    parameters (``torch._dynamo.compiled_autograd.in_compiled_autograd_region``; read
+    without importing Dynamo, ``False`` where this torch has no such flag)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False))
 
 
 def _reuse_by_key() -> bool:

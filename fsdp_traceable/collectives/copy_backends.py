@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import config
-from ..tracing import forward_regions_in_use, is_tracing
+from ..tracing import compiled_autograd_tracing, forward_regions_in_use, is_tracing
 from . import foreach_copies
 from . import ops as aten_ops
 from .copy_contract import CopyOps
@@ -197,10 +197,12 @@ def backend_for(tensors: Sequence[torch.Tensor], copy: str, num_params: int) -> 
         if config.copy_kernels in ("auto", "inductor") and (
                 config.copy_kernels == "inductor" or first[0].device.type not in _TRITON_DEVICES):
             return ATEN  # what the lines below pick, in fewer bytecodes for Dynamo to trace
-        if copy == "all_gather_copy_out" and forward_regions_in_use():
+        if copy == "all_gather_copy_out" and (
+                forward_regions_in_use() or compiled_autograd_tracing()):
             # The Triton copy-out returns views of one buffer; a region's inputs and
             # outputs may not share storage, and the aten copy-out gives each parameter
-            # its own buffer there (see [Note: copy regions]). Same bits either way.
+            # its own buffer there (see [Note: copy regions], aten_ops.fresh_outputs_needed).
+            # Same bits either way.
             return ATEN
     mode = copy_kernels()
     if mode == "auto":

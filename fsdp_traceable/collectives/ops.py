@@ -11,8 +11,9 @@ no outputs aliasing inputs. Each is defined with ``Library.define`` and a
   copy into a single kernel per bucket, while Dynamo-level graph dumps still show
   the op by name. (Compiled, a one-dtype ``Shard(0)`` copy-out returns disjoint
   views of one fresh buffer, so that Inductor writes it with one kernel; under
-  forward regions each parameter gets its own buffer, since a region's inputs may
-  not share storage: see [Note: forward regions].)
+  forward regions, and in compiled autograd's graph, each parameter gets its own
+  buffer, since a region's inputs may not share storage: see [Note: forward
+  regions] and :func:`fresh_outputs_needed`.)
 
 Per-parameter sizes travel as flat int lists (``sizes_flat`` + ``ndims``) because
 schemas have no nested lists.
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from ..sizes import padded_sharded_size, unflatten_sizes
-from ..tracing import forward_regions_in_use, is_tracing
+from ..tracing import compiled_autograd_tracing, forward_regions_in_use, is_tracing
 
 _lib = torch.library.Library("fsdp_traceable", "DEF")
 
@@ -155,7 +156,7 @@ def _all_gather_copy_out(
         # The common bucket (one dtype, all Shard(0)). Eager: every copy in one aten
         # call, a C++ loop, where per-op dispatch dominates small parameters; its
         # outputs are always fresh tensors.
-        if torch.compiler.is_compiling() and not forward_regions_in_use():
+        if torch.compiler.is_compiling() and not fresh_outputs_needed():
             stacked_all = _param_major_copy_out(rank_major, split_sizes)
         else:
             stacked_all = torch.split_with_sizes_copy(rank_major, split_sizes, dim=1)
@@ -189,6 +190,14 @@ def _all_gather_copy_out(
             moved = stacked.movedim(0, shard_dim)
             outputs.append(moved.clone(memory_format=torch.contiguous_format).view(global_size))
     return outputs
+
+
+def fresh_outputs_needed() -> bool:
+    """Whether a compiled copy-out must give each parameter its own buffer: the
+    parameters go into nested compile regions, whose inputs may not share storage
+    (forward regions of a whole step; compiled autograd's outlined block backwards,
+    fed by the re-gather of an eager forward's saved parameters)."""
+    return forward_regions_in_use() or compiled_autograd_tracing()
 
 
 def _param_major_copy_out(rank_major: torch.Tensor, split_sizes: list[int]) -> list[torch.Tensor]:

@@ -54,38 +54,6 @@ class UnshardingGroup(Protocol):
     def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None: ...
 
 
-class LocalShards(torch.autograd.Function):
-    """``DTensor.to_local`` of a group's parameters for the eager path, in one autograd
-    node, with a backward compiled autograd traces.
-
-    Parameters unsharded eagerly (``FSDPModule.unshard()``, or an eager forward) can
-    have their backward captured by compiled autograd; Dynamo cannot trace
-    ``to_local``'s own backward (it calls a C++ stride helper), but traces
-    ``DTensor.from_local`` with the parameter's shape and stride given. One node per
-    group, not per parameter, is also what keeps the eager host cost per group low.
-    """
-
-    @staticmethod
-    def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
-        ctx.specs = [param._spec for param in params]
-        # An eager backward sends no gradient here (the reduction writes .grad): it
-        # must reach AccumulateGrad as none, not as zeros.
-        ctx.set_materialize_grads(False)
-        # Fresh tensor objects for autograd to annotate.
-        locals_ = tuple(param._local_tensor.view_as(param._local_tensor) for param in params)
-        frozen = [local for local, param in zip(locals_, params) if not param.requires_grad]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return locals_
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
-        return tuple(
-            None if grad is None else _sharded_grad(grad, spec)
-            for grad, spec in zip(grads, ctx.specs)
-        )
-
-
 def _sharded_grad(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
     if grad.device.type == spec.mesh.device_type:
         return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
@@ -102,8 +70,9 @@ class UnshardParams(torch.autograd.Function):
 
     Inputs are the post-forward piece to re-gather from (traced
     ``reshard_after_forward=N``, else ``None``; see [Note: the post-forward piece,
-    compiled]), the group's sharded local tensors (from ``DTensor.to_local`` traced,
-    :class:`LocalShards` eager), then the unsharded gradients that eager no-sync
+    compiled]), the group's sharded local tensors (from ``DTensor.to_local``) traced or
+    its sharded parameters themselves eager (see [Note: eager inputs are the
+    parameters]), then the unsharded gradients that eager no-sync
     microbatches accumulated (by parameter index ``accumulated_indices``), which
     backward adds before reducing; outputs the unsharded parameters. A traced backward
     returns the sharded gradients, which autograd accumulates into the parameters'
@@ -119,8 +88,11 @@ class UnshardParams(torch.autograd.Function):
         ctx.group = group
         ctx.accumulated_indices = accumulated_indices
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
-        sharded_locals = inputs[: len(inputs) - len(accumulated_indices)]
-        ctx.save_for_backward(*inputs[len(sharded_locals):])
+        sharded = inputs[: len(inputs) - len(accumulated_indices)]
+        ctx.save_for_backward(*inputs[len(sharded):])
+        # See [Note: eager inputs are the parameters].
+        ctx.specs = [t._spec if isinstance(t, DTensor) else None for t in sharded]
+        sharded_locals = tuple(t._local_tensor if isinstance(t, DTensor) else t for t in sharded)
         unsharded = group.all_gather(sharded_locals, kept_piece)
         frozen = [t for t, p in zip(unsharded, group.params.sharded_params) if not p.requires_grad]
         if frozen:
@@ -134,6 +106,10 @@ class UnshardParams(torch.autograd.Function):
         if not comm.use_traced_path():
             # See [Note: post-accumulate-grad hooks in eager backward].
             ctx.group.hide_post_accumulate_hooks()
+        sharded_grads = [
+            grad if grad is None or spec is None else _sharded_grad(grad, spec)
+            for grad, spec in zip(sharded_grads, ctx.specs)
+        ]
         return (None, None, None, *sharded_grads, *[None] * len(accumulated))
 
 
@@ -174,17 +150,26 @@ def _apply_unshard(group: UnshardingGroup, accumulated_indices: tuple[int, ...],
 # (unsharded_binding).
 
 
-def _eager_locals(params: list[torch.nn.Parameter], nonempty: tuple[bool, ...]) -> list[torch.Tensor]:
+# [Note: eager inputs are the parameters]
+# An eager forward hands ``UnshardParams`` the sharded parameters themselves (DTensors),
+# whose local tensors its forward reads: one autograd node per group. Its backward
+# returns each sharded gradient wrapped as the parameter's DTensor
+# (``DTensor.from_local`` with the parameter's shape and stride: Dynamo traces that,
+# not ``to_local``'s own backward, which calls a C++ stride helper). Only compiled
+# autograd sees those gradients (an eager backward returns none: the reduction writes
+# ``.grad``), after an eager forward (per-block compile, ``FSDPModule.unshard()``); a
+# separate ``to_local`` node per group would add one more captured backward, its
+# output check and one graph output per parameter, per block, to compiled autograd's
+# graph.
+
+
+def _eager_inputs(params: list[torch.nn.Parameter], nonempty: tuple[bool, ...]) -> list[torch.Tensor]:
     # A zero-size parameter gets no gradient: its DTensor's own local shape can differ
     # from FSDP2's (e.g. (2, 0) vs (0, 0) for an (8, 0) parameter on 4 ranks), which
-    # ``to_local``'s backward rejects; an empty gradient carries nothing anyway.
+    # the gradient's DTensor would then carry; an empty gradient carries nothing anyway.
     if all(nonempty):
-        return list(LocalShards.apply(*params))
-    locals_ = [p.to_local().detach() for p in params]
-    indices = [i for i, keep in enumerate(nonempty) if keep]
-    for i, local in zip(indices, LocalShards.apply(*(params[i] for i in indices))):
-        locals_[i] = local
-    return locals_
+        return list(params)
+    return [p if keep else p.to_local().detach() for p, keep in zip(params, nonempty)]
 
 
 def _module_params(params: GroupParams) -> list[torch.nn.Parameter]:
@@ -219,12 +204,12 @@ def unshard_params(group: UnshardingGroup, *, recompute_in_backward: bool) -> tu
     # first parameter through it, not through its module (see [Note: Dynamo reaches
     # parameters through their module]).
     params = _module_params(group.params) if traced else group.params.sharded_params
-    # A zero-size parameter gets no gradient (see _eager_locals).
+    # A zero-size parameter gets no gradient (see _eager_inputs).
     if traced:
         sharded_locals = [p.to_local() if nonempty else p.to_local().detach()
                           for p, nonempty in zip(params, group.params.nonempty)]
     else:
-        sharded_locals = _eager_locals(params, group.params.nonempty)
+        sharded_locals = _eager_inputs(params, group.params.nonempty)
     accumulated: dict[int, torch.Tensor] = {}
     if traced and torch.is_grad_enabled():
         # Gradients of eager no-sync microbatches join this compiled backward as inputs:

@@ -547,8 +547,7 @@ class ParamGroup:
             # Compiled autograd traces the unpack hook of an eager forward's token (see
             # [Note: per-module compile]). One storage per parameter, as eager's: an
             # outlined block backward takes them as inputs, which may not alias.
-            unsharded = self._traced_regather_for_backward()
-            self._eager.keep_for_backward([t.clone() for t in unsharded])
+            self._eager.keep_for_backward(self._traced_regather_for_backward())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             return
         versions = self.params.local_versions()
@@ -572,14 +571,24 @@ class ParamGroup:
     def _traced_regather_for_backward(self) -> list[torch.Tensor]:
         """Traced by compiled autograd after an eager forward: from the piece that
         forward kept with ``reshard_after_forward=N`` (over the rank's ``N`` ranks, as
-        the eager backward), else over the shard group."""
+        the eager backward), else over the shard group. Each parameter in a buffer of
+        its own: the copy-out gives one per parameter in compiled autograd's graph
+        (``fresh_outputs_needed`` in :mod:`..collectives.ops`), so no copy per parameter
+        is traced for the plain bucket; what an all-gather extension's post hook or the
+        kept storage return is copied."""
         kept, _ = self._eager.take_piece()
         mesh = self.settings.post_forward_mesh
         if kept is not None and mesh is not None and kept.hook_inputs is None:
             return mesh.traced_regathered(kept)
         # An all-gather extension's post-all-gather hook needs its metadata from a
         # pre-all-gather call of this trace: gathered again over the shard group.
-        return self.all_gather(tuple(p._local_tensor for p in self.params.sharded_params))
+        pending = group_all_gather.start_all_gather(
+            self.params, [p._local_tensor for p in self.params.sharded_params],
+            streams=None, all_gather_comm=self.settings.all_gather_comm)
+        unsharded = self.finish_all_gather(pending)
+        if pending.hook_inputs is not None or self.settings.keep_unsharded_storage:
+            return [t.clone() for t in unsharded]
+        return unsharded
 
     def _end_backward(self) -> None:
         if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):

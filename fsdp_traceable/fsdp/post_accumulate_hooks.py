@@ -3,10 +3,11 @@
 [Note: post-accumulate-grad hooks in eager backward]
 FSDP2 calls ``register_post_accumulate_grad_hook`` hooks of a sharded parameter after
 its reduce-scatter writes ``.grad``, and autograd never does (its sharded parameters are
-not in the autograd graph). Ours are (``LocalShards``, so a compiled backward can
-return sharded gradients through them), and autograd runs a leaf's post-accumulate-grad
-hooks even when no gradient reaches it: an eager backward, whose reduction writes
-``.grad`` later (``reduce_queue``), would run them once too early, before the reduction.
+not in the autograd graph). Ours are (inputs of the group's ``UnshardParams``, so a
+compiled backward can return sharded gradients through it), and autograd runs a leaf's
+post-accumulate-grad hooks even when no gradient reaches it: an eager backward, whose
+reduction writes ``.grad`` later (``reduce_queue``), would run them once too early,
+before the reduction.
 So the eager ``UnshardParams.backward`` empties each hook dict (:func:`hide`) before
 autograd reaches the parameters, and the hooks come back (:func:`restore`) right before
 the reduction writes ``.grad`` and runs them, or at the group's next forward (a no-sync

@@ -136,6 +136,10 @@ def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
     base = saved.group.pre_backward()[saved.index]
     if saved.attr is not None:
         base = getattr(base, saved.attr)
+    if saved.offset == 0 and base.size() == saved.size and base.stride() == saved.stride:
+        # The whole parameter (most saves: a weight, a norm's scale): no view op, so a
+        # traced re-gather adds no op per saved parameter to compiled autograd's graph.
+        return base
     # The re-gathered parameter may start elsewhere in its storage (a traced re-gather's
     # copy-out slices one buffer), so the view is rebuilt from its first element.
     # as_strided keeps the slice's storage offset, which Dynamo need not read.
