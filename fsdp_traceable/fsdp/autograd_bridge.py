@@ -16,6 +16,7 @@ from torch.utils.checkpoint import (
 from .. import _torch_patches
 from ..collectives import comm
 from .functorch_transforms import outside_functorch_transforms
+from .gradient_reduction import declare_grad_dtypes
 
 if TYPE_CHECKING:
     from .group_params import GroupParams
@@ -94,6 +95,7 @@ class UnshardParams(torch.autograd.Function):
         ctx.specs = [t._spec if isinstance(t, DTensor) else None for t in sharded]
         sharded_locals = tuple(t._local_tensor if isinstance(t, DTensor) else t for t in sharded)
         unsharded = group.all_gather(sharded_locals, kept_piece)
+        declare_grad_dtypes(ctx, group.params, unsharded)
         frozen = [t for t, p in zip(unsharded, group.params.sharded_params) if not p.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)

@@ -8,12 +8,13 @@ call, and, eager, hands the started reduction to the model's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..collectives import comm
+from ..collectives.grad_dtypes import keeps_wider_grads, output_grad_dtypes
 from ..collectives.reduce import PendingReduce, start_foreach_reduce
 from ..profiler_labels import phase
 from ..traced_errors import raise_not_implemented
@@ -21,6 +22,26 @@ from ..traced_errors import raise_not_implemented
 if TYPE_CHECKING:
     from .group_params import GroupParams
     from .group_settings import GroupSettings
+
+
+def declare_grad_dtypes(ctx: torch.autograd.function.FunctionCtx, params: GroupParams,
+                        unsharded: Sequence[torch.Tensor]) -> None:
+    """Lets the unsharded parameters' gradients reach the eager backward in the dtype
+    their ops computed them in, where this torch's FSDP2 keeps them so (see
+    [Note: wider gradient dtypes]).
+
+    Args:
+        ctx: the forward's context of the Function whose outputs are ``unsharded``.
+        params: the group's parameters.
+        unsharded: the group's unsharded parameters, the Function's outputs.
+    """
+    if comm.use_traced_path():
+        return
+    dtypes = output_grad_dtypes(params.infos, unsharded,
+                                [p.requires_grad for p in params.sharded_params],
+                                [layout is None for layout in params.tp_layouts])
+    if dtypes is not None:
+        ctx.set_output_grad_dtype(*dtypes)
 
 
 def gradients_to_reduce(
@@ -60,10 +81,20 @@ def gradients_to_reduce(
                                        device=params.device)
     if accumulated is not None or not settings.requires_gradient_sync:
         # Accumulated no-sync gradients are kept in the reduce dtype, as FSDP2 does.
-        grads = {i: g.to(params.infos[i].reduce_dtype) for i, g in grads.items()}
-    if accumulated is not None:
-        for i, earlier in accumulated.items():
-            grads[i] = grads[i] + earlier if i in grads else earlier
+        # Before torch 2.15 its accumulator adds a microbatch's gradient as computed (in
+        # place: the sum rounded once); from 2.15 the gradient is cast first (see
+        # [Note: wider gradient dtypes]).
+        add_then_cast = not keeps_wider_grads()
+        for i, grad in grads.items():
+            reduce_dtype = params.infos[i].reduce_dtype
+            earlier = None if accumulated is None else accumulated.get(i)
+            if earlier is not None and add_then_cast:
+                grads[i] = torch.add(earlier, grad).to(reduce_dtype)
+            else:
+                grad = grad.to(reduce_dtype)
+                grads[i] = grad if earlier is None else grad + earlier
+        for i, earlier in (accumulated or {}).items():
+            grads.setdefault(i, earlier)
     if not settings.requires_gradient_sync and comm.use_traced_path():
         # Under fullgraph=True too, this message is what the user reads first (see
         # [Note: errors raised while Dynamo traces]).
@@ -101,10 +132,16 @@ def start_reduce(params: GroupParams, settings: GroupSettings, grads: dict[int, 
             "backward calls, which a compiled backward cannot hold; run those "
             "microbatches' backward eagerly and only the last one compiled"
         )
+    bucket = [grads[i] for i in indices]
+    if len({grad.dtype for grad in bucket}) > 1:
+        # Compute-dtype gradients beside wider ones (see [Note: wider gradient dtypes]),
+        # each cast to the reduce dtype first, as FSDP2's chunk_cat_mixed_dtype does
+        # off CUDA: the same values as a cast in the copy-in.
+        bucket = [grad.to(params.infos[i].reduce_dtype) for grad, i in zip(bucket, indices)]
     with phase("reduce_scatter", name):
         whole_bucket = len(indices) == len(params.infos)
         return start_foreach_reduce(
-            [grads[i] for i in indices],
+            bucket,
             params.infos if whole_bucket else [params.infos[i] for i in indices],
             params.shard_group,
             all_reduce_group=params.replicate_group,

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..collectives import ShardInfo, make_shard_info, shard_tensor
+from ..collectives.grad_dtypes import default_reduce_dtype
 from ..collectives.shard_info import SUPPORTED_DTYPES
 from .features.tensor_parallel import TensorParallelLayout
 
@@ -84,7 +85,9 @@ def shard_info_in_dtype(
         ValueError: naming the parameter: a shard layout ``make_shard_info`` refuses.
     """
     param_dtype = mp_policy.param_dtype if dtype.is_floating_point else None
-    reduce_dtype = mp_policy.reduce_dtype if dtype.is_floating_point else None
+    # See [Note: wider gradient dtypes].
+    reduce_dtype = (default_reduce_dtype(dtype, mp_policy.reduce_dtype)
+                    if dtype.is_floating_point else None)
     try:
         info = make_shard_info(
             shape, world_size, rank, shard_dim=shard_dim, orig_dtype=dtype,

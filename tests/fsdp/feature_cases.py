@@ -246,9 +246,20 @@ def grad_accumulation(rank: int, world_size: int) -> dict[str, Any]:
     return train_both(seeded_transformer(), rank, world_size, microbatches=3)
 
 
-def no_sync_accumulation(rank: int, world_size: int, mixed_precision: bool) -> dict[str, Any]:
-    """Gradient sync off for all but the last of 3 microbatches (FSDP2's recipe)."""
-    shard_kwargs = {"mp_policy": BF16_POLICY} if mixed_precision else {}
+NO_SYNC_POLICIES = {
+    "fp32": None,
+    "bf16": BF16_POLICY,
+    # fp32 gradients summed into a bf16 accumulator: FSDP2 rounds each sum (2.15: each
+    # gradient first), see [Note: wider gradient dtypes].
+    "bf16_reduce": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+}
+
+
+def no_sync_accumulation(rank: int, world_size: int, precision: str) -> dict[str, Any]:
+    """Gradient sync off for all but the last of 3 microbatches (FSDP2's recipe), with
+    the policy ``NO_SYNC_POLICIES[precision]``."""
+    policy = NO_SYNC_POLICIES[precision]
+    shard_kwargs = {"mp_policy": policy} if policy is not None else {}
     theirs, ours = shard_copies(seeded_transformer(), **shard_kwargs)
     grads_none_before_sync: list[bool] = []
 

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_traceable import FSDPModule, fully_shard
+from fsdp_traceable.collectives.grad_dtypes import keeps_wider_grads
 from fsdp_traceable.fsdp.arguments import ArgumentTypeError
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
 from tests.fsdp import checkpoint_cases, feature_cases, training_behaviour_cases
@@ -38,8 +39,8 @@ from tests.fsdp.feature_cases import (
 def _two_rank_cases(directory: str) -> list[tuple[str, Callable, tuple]]:
     return [
         ("grad_accumulation", feature_cases.grad_accumulation, ()),
-        ("no_sync_fp32", feature_cases.no_sync_accumulation, (False,)),
-        ("no_sync_bf16", feature_cases.no_sync_accumulation, (True,)),
+        *((f"no_sync_{precision}", feature_cases.no_sync_accumulation, (precision,))
+          for precision in feature_cases.NO_SYNC_POLICIES),
         ("frozen", feature_cases.frozen_params, ()),
         ("unused", feature_cases.unused_params, ()),
         ("buffers", feature_cases.buffers, ()),
@@ -68,7 +69,7 @@ def test_gradient_accumulation_over_microbatches_matches_fsdp2(two_ranks):
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", list(feature_cases.NO_SYNC_POLICIES))
 def test_no_gradient_sync_until_last_microbatch_matches_fsdp2(two_ranks, precision: str):
     for result in case_results(two_ranks, f"no_sync_{precision}"):
         assert_same_training(result["theirs"], result["ours"])
@@ -234,12 +235,15 @@ def test_clip_grad_norm_on_sharded_grads_matches_fsdp2(two_ranks):
 
 REDUCE_DTYPES = {"bf16_compute": ["torch.bfloat16"], "bf16_compute_fp32_reduce": ["torch.float32"],
                  "fp32_compute_bf16_reduce": ["torch.bfloat16"], "fp16_compute": ["torch.float16"]}
+if keeps_wider_grads():  # without reduce_dtype, FSDP2 reduces in the parameters' fp32
+    REDUCE_DTYPES.update(bf16_compute=["torch.float32"], fp16_compute=["torch.float32"])
 
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("combo", list(training_behaviour_cases.MP_COMBOS))
 def test_mixed_precision_dtype_combination_matches_fsdp2(two_ranks, combo: str):
-    # reduce_dtype defaults to param_dtype; gradients land in the parameters' fp32.
+    # reduce_dtype defaults to param_dtype (from torch 2.15 to the parameters' dtype, see
+    # [Note: wider gradient dtypes]); gradients land in the parameters' fp32.
     for result in case_results(two_ranks, "mixed_precision_dtypes"):
         theirs, ours = result[f"theirs_{combo}"], result[f"ours_{combo}"]
         assert_same_training(theirs, ours)

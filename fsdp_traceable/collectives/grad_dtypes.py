@@ -1,0 +1,97 @@
+"""The dtypes unsharded gradients take, as the installed torch's FSDP2 gives them.
+
+[Note: wider gradient dtypes]
+From torch 2.15, FSDP2 gives every unsharded parameter a ``Tensor.grad_dtype`` (its
+``FSDPParam.unsharded_grad_dtype``: the policy's ``reduce_dtype``, else the parameter's
+own dtype) and no longer clamps ``reduce_dtype`` to ``None`` where it equals
+``param_dtype``. Where that dtype is wider than the compute dtype (bf16/fp16 compute
+without ``reduce_dtype``, or with an fp32 one), it sets ``grad_dtype = None`` for the
+backward (``FSDPParamGroup._set_unsharded_grad_dtypes``), so autograd hands over each
+gradient in the dtype its op computed it in: a norm weight used as
+``x.float() * weight`` gets its fp32 gradient, no longer rounded to bf16 first. The
+reduce-scatter then runs in that wider dtype (``_get_reduce_dtype`` promotes over the
+parameters' ``unsharded_grad_dtype``: fp32 for bf16/fp16 compute without
+``reduce_dtype``, where torch 2.13 reduced in bf16/fp16), its copy-in casting a bucket
+of mixed bf16/fp32 gradients (``fsdp::chunk_cat_mixed_dtype``); a no-sync microbatch
+casts its gradient to ``grad_dtype`` before adding it to the earlier ones, where
+torch 2.13 added it to the ``reduce_dtype`` accumulator first and rounded the sum.
+
+``fully_shard`` follows whichever its torch's FSDP2 does, detected from FSDP2 itself:
+:func:`keeps_wider_grads` reads both FSDP2's ``unsharded_grad_dtype`` and autograd's
+``FunctionCtx.set_output_grad_dtype``, through which the unsharded parameters (outputs
+of ``UnshardParams``) pass such gradients uncast (:func:`output_grad_dtypes`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from .shard_info import SUPPORTED_DTYPES, ShardInfo
+
+__all__ = ["default_reduce_dtype", "keeps_wider_grads", "output_grad_dtypes"]
+
+
+@functools.cache
+def keeps_wider_grads() -> bool:
+    """Whether this torch's FSDP2 keeps gradients in their parameters' wider
+    ``grad_dtype`` (see [Note: wider gradient dtypes]), and autograd lets ours do so."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        return False
+    return hasattr(FSDPParam, "unsharded_grad_dtype") and hasattr(
+        torch.autograd.function.FunctionCtx, "set_output_grad_dtype")
+
+
+def default_reduce_dtype(orig_dtype: torch.dtype,
+                         reduce_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The policy's ``reduce_dtype``, or, where it is ``None`` and FSDP2 keeps wider
+    gradients, the parameter's own dtype if a backend reduces it (``None``: reduce in
+    the param dtype).
+
+    Args:
+        orig_dtype: the sharded parameter's dtype (floating).
+        reduce_dtype: the mixed-precision policy's ``reduce_dtype``.
+
+    Returns:
+        The dtype to build the parameter's ``ShardInfo`` with.
+    """
+    if reduce_dtype is None and orig_dtype in SUPPORTED_DTYPES and keeps_wider_grads():
+        return orig_dtype
+    return reduce_dtype
+
+
+def is_wider(info: ShardInfo) -> bool:
+    """Whether ``info``'s gradients accumulate and reduce in a dtype wider than the one
+    its parameter computes in (FSDP2's ``_fsdp_params_with_wider_grad_dtype``)."""
+    return info.reduce_dtype.itemsize > info.param_dtype.itemsize
+
+
+def output_grad_dtypes(infos: Sequence[ShardInfo], outputs: Sequence[torch.Tensor],
+                       trainable: Sequence[bool], plain: Sequence[bool]
+                       ) -> tuple[torch.dtype | None, ...] | None:
+    """What ``UnshardParams`` declares with ``ctx.set_output_grad_dtype``, or ``None``
+    where it keeps autograd's default (every gradient cast to its output's dtype).
+
+    Args:
+        infos: the group's parameters.
+        outputs: their unsharded tensors, the Function's outputs.
+        trainable: per parameter, whether it requires a gradient (a frozen output is
+            non-differentiable and declares ``None``).
+        plain: per parameter, whether modules read its unsharded tensor as is (a
+            tensor-parallel one is read through a DTensor and keeps the default).
+
+    Returns:
+        Per output, ``None`` (pass the gradient uncast) or its own dtype.
+    """
+    # Eager only: a traced backward's gradients keep their outputs' dtypes.
+    if not keeps_wider_grads() or torch.compiler.is_compiling():
+        return None
+    wide = [t and p and is_wider(i) for i, t, p in zip(infos, trainable, plain)]
+    if not any(wide):
+        return None
+    return tuple(None if w or not t else out.dtype
+                 for out, w, t in zip(outputs, wide, trainable))
