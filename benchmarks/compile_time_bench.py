@@ -45,7 +45,11 @@ keeps its precompiled headers: a new container on a kept cache directory.
 options that decide whether a forward's cache entry is written (see their help).
 
 Each result records the frames compiled, Dynamo's region traces and stamped-out copies,
-and the seconds spent in Dynamo, AOTAutograd and Inductor (``compile_phases_s``).
+the seconds spent in Dynamo, AOTAutograd and Inductor (``compile_phases_s``), and two
+counts a loaded machine does not change: the calls Dynamo put into graphs
+(``calls_captured``) and, with compiled autograd, the nodes of the backward graph Dynamo
+hands Inductor (``compiled_autograd_graph_nodes``; per-block compile adds a fixed number
+per block, pinned by ``compile_tests/test_block_compile.py``).
 
 Prints a table and writes JSON (default ``benchmarks/out/compile_time_bench.json``; with
 ``--publish``, ``benchmarks/results/compile_time_bench.json``)
@@ -95,6 +99,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
 
     import torch
     import torch._functorch.config
+    from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
@@ -153,9 +158,13 @@ def _child(config: str, layers: int, dim: int, steps: int,
             for block in model.layers:
                 block.compile(fullgraph=config.startswith("ours"))
         backward_context = contextlib.nullcontext
+        backward_backend = None
         if config in ("ours-whole", "ours-blocks", "ours-blocks-pasted", "unsharded-whole",
                       "unsharded-regions"):
-            compiler = torch.compile(backend="inductor", fullgraph=True)
+            # Counting what Dynamo hands Inductor: compiled autograd's graph, whose nodes
+            # grow with depth (each block's collectives, region call and gradients).
+            backward_backend = CompileCounterWithBackend("inductor")
+            compiler = torch.compile(backend=backward_backend, fullgraph=True)
 
             def backward_context():
                 return torch._dynamo.compiled_autograd._enable(compiler)
@@ -198,6 +207,10 @@ def _child(config: str, layers: int, dim: int, steps: int,
         "frame_compiles": len(record.frames),
         "frames": sorted(set(f.name for f in record.frames)),
         "unique_graphs": counters["stats"].get("unique_graphs", 0),
+        "calls_captured": counters["stats"].get("calls_captured", 0),
+        "compiled_autograd_graph_nodes": (
+            [len(g.graph.nodes) for g in backward_backend.graphs]
+            if backward_backend is not None else None),
         "graph_breaks": record.graph_breaks.count,
         "region_traces": region_traces,
         "compile_phases_s": compile_phases,
@@ -324,7 +337,10 @@ def main() -> None:
                 print(f"{config:16s} L={layers:3d}  first {cold['first_step_s']:7.2f} s  "
                       f"steady {cold['steady_step_s'] * 1e3:7.1f} ms  graphs "
                       f"{cold['unique_graphs']:3d}  frames {cold['frame_compiles']:3d}  "
-                      f"breaks {cold['graph_breaks']}{warm_text}",
+                      f"breaks {cold['graph_breaks']}  calls captured "
+                      f"{cold['calls_captured']}  compiled-autograd graph nodes "
+                      f"{cold['compiled_autograd_graph_nodes']}  phases "
+                      f"{cold['compile_phases_s']}{warm_text}",
                       flush=True)
     summary = _ratios(rows)
     for line in summary["lines"]:
