@@ -336,6 +336,9 @@ def mixed_precision_details(rank: int, world_size: int) -> dict[str, Any]:
         model.requires_grad_(False)
         with torch.no_grad():
             model(_inputs(rank, 9))
+        # FSDP2's root keeps its unsharded parameters registered after forward (until
+        # backward): reshard so that the optimizer below steps the sharded ones.
+        model.reshard()
         model.requires_grad_(True)
         try:
             with _record_reduce_scatters(lambda out, inp: str(inp.dtype)) as dtypes:
