@@ -26,13 +26,16 @@ DEFAULT_VERSIONS=(2.11.0 2.15.0)
 # through manual backward finalization), and that finalization, the reset after a
 # failed backward and kept unsharded storage against FSDP2 (skipped before 2.15,
 # whose FSDP2 lacks them), activation checkpointing against FSDP2 (it reads torch's
-# checkpoint internals: its saved-tensor hooks and selective AC's dispatch modes) and the
-# module state FSDP2's users read. The main job runs the rest on the pinned torch.
+# checkpoint internals: its saved-tensor hooks and selective AC's dispatch modes), the
+# module state FSDP2's users read, and low-precision gradients against FSDP2 (its
+# mixed-precision dtypes and no-sync accumulation, which 2.15 changed: about 20 s, one
+# 2-rank run). The main job runs the rest on the pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
 # sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
 FULLY_SHARD=tests/fsdp/test_fully_shard.py::test_fp32_training_matches_fsdp2_and_unsharded
 EXTENSIONS=compile_tests/test_all_gather_extensions_compile.py
 RECOMPILES=compile_tests/test_recompiles.py
+FEATURES=tests/fsdp/test_fully_shard_features.py
 SUBSET=(
   tests/collectives/test_ops.py
   "$FULLY_SHARD[2-eager-adamw]"
@@ -55,6 +58,8 @@ SUBSET=(
   tests/fsdp/test_backward_finalization.py
   tests/fsdp/test_activation_checkpointing.py
   tests/fsdp/test_module_state.py
+  "$FEATURES::test_mixed_precision_dtype_combination_matches_fsdp2"
+  "$FEATURES::test_no_gradient_sync_until_last_microbatch_matches_fsdp2"
 )
 
 # The registry's triton-kernels and ours, imported side by side from outside the clone.
