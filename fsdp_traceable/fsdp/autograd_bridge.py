@@ -19,8 +19,8 @@ from .functorch_transforms import outside_functorch_transforms
 from .gradient_reduction import declare_grad_dtypes
 
 if TYPE_CHECKING:
-    from .group_params import GroupParams
     from .group_settings import GroupSettings
+    from .param_shards import ParamShards
 
 
 def patch_torch() -> None:
@@ -39,7 +39,7 @@ class UnshardingGroup(Protocol):
     """What the autograd boundary calls of its parameter group (``ParamGroup``): the
     group's own life cycle runs in its forward and backward."""
 
-    params: GroupParams
+    params: ParamShards
     settings: GroupSettings
 
     def all_gather(self, sharded_locals: tuple[torch.Tensor, ...],
@@ -174,7 +174,7 @@ def _eager_inputs(params: list[torch.nn.Parameter], nonempty: tuple[bool, ...]) 
     return [p if keep else p.to_local().detach() for p, keep in zip(params, nonempty)]
 
 
-def _module_params(params: GroupParams) -> list[torch.nn.Parameter]:
+def _module_params(params: ParamShards) -> list[torch.nn.Parameter]:
     """The sharded parameters read from their modules' ``_parameters``; see
     [Note: Dynamo reaches parameters through their module]."""
     return [owner._parameters[name] for owner, name in zip(params.first_holders, params.first_names)]

@@ -128,7 +128,7 @@ def structure_key(module_id: int) -> int | None:
 @constant_result
 def _unsharded_key(module_id: int, grad_enabled: bool) -> tuple | None:
     """The layout of the unsharded parameters the registered ``fully_shard`` module
-    ``module_id`` gathers, from its sharded parameters (``GroupParams.unsharded_layout_key``):
+    ``module_id`` gathers, from its sharded parameters (``ParamShards.unsharded_layout_key``):
     a few Python lines instead of Dynamo tracing each tensor's key. Runs in Python while
     Dynamo traces; the parameters' own guards recompile where it would change."""
     return _fsdp_modules[module_id]._fsdp_group.params.unsharded_layout_key(grad_enabled)

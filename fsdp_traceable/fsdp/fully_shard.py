@@ -29,10 +29,10 @@ from .arguments import (
 from .class_swap import fsdp_class, swap_class
 from .features.tensor_parallel import data_parallel_mesh
 from .fsdp_module import FSDPModule
-from .group_params import GroupParams
 from .group_settings import GroupSettings
 from .module_state import register_state, state_of
 from .param_group import ParamGroup
+from .param_shards import ParamShards
 from .root_state import RootState
 from .unsharded_binding import owner_class
 
@@ -130,7 +130,7 @@ def fully_shard(
     owned = _managed_params(modules, ignored)
     _patch_torch()
     partial_reshard = None if isinstance(reshard, bool) or reshard is None else reshard
-    params = GroupParams(
+    params = ParamShards(
         [(fqn, param) for fqn, param, _ in owned], mesh, mp_policy=mp_policy,
         shard_placement_fn=shard_placement_fn, offload_to_cpu=offload_to_cpu,
         pin_memory=offload_to_cpu and offload_policy.pin_memory, spmd=spmd,

@@ -20,11 +20,11 @@ from ..profiler_labels import phase
 from ..traced_errors import raise_not_implemented
 
 if TYPE_CHECKING:
-    from .group_params import GroupParams
     from .group_settings import GroupSettings
+    from .param_shards import ParamShards
 
 
-def declare_grad_dtypes(ctx: torch.autograd.function.FunctionCtx, params: GroupParams,
+def declare_grad_dtypes(ctx: torch.autograd.function.FunctionCtx, params: ParamShards,
                         unsharded: Sequence[torch.Tensor]) -> None:
     """Lets the unsharded parameters' gradients reach the eager backward in the dtype
     their ops computed them in, where this torch's FSDP2 keeps them so (see
@@ -45,7 +45,7 @@ def declare_grad_dtypes(ctx: torch.autograd.function.FunctionCtx, params: GroupP
 
 
 def gradients_to_reduce(
-    params: GroupParams,
+    params: ParamShards,
     settings: GroupSettings,
     unsharded_grads: tuple[torch.Tensor | None, ...],
     accumulated: dict[int, torch.Tensor] | None,
@@ -108,7 +108,7 @@ def gradients_to_reduce(
     return grads
 
 
-def start_reduce(params: GroupParams, settings: GroupSettings, grads: dict[int, torch.Tensor],
+def start_reduce(params: ParamShards, settings: GroupSettings, grads: dict[int, torch.Tensor],
                  indices: list[int], partial_reduce_output: torch.Tensor | None, *,
                  name: str) -> PendingReduce:
     """Starts the reduce-scatter (and HSDP all-reduce) of ``grads``.

@@ -20,11 +20,11 @@ from .features.all_gather_extensions import (
 if TYPE_CHECKING:  # FSDP2's comm interface, for annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-    from .group_params import GroupParams
+    from .param_shards import ParamShards
 
 
 def start_all_gather(
-    params: GroupParams,
+    params: ParamShards,
     sharded_locals: list[torch.Tensor],
     *,
     streams: comm.DeviceStreams | None,

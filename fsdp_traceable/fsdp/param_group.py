@@ -3,7 +3,7 @@
 pre/post backward.
 
 ``FSDPModule`` calls these methods and nothing else of the group's runtime state,
-which is private here. The group owns its parameters (:class:`GroupParams`: what is
+which is private here. The group owns its parameters (:class:`ParamShards`: what is
 sharded, where, and bound to which modules), its settings (:class:`GroupSettings`),
 and its eager state (:class:`EagerState`). A forward goes
 ``FSDPModule.forward -> ParamGroup.pre_forward -> unshard_params -> collectives``;
@@ -30,9 +30,9 @@ from .eager_state import EagerState
 from .features.all_gather_extensions import PendingUnshard
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
-from .group_params import GroupParams
 from .group_settings import GroupSettings
 from .group_state import GroupState
+from .param_shards import ParamShards
 from .reduce_queue import GradientTarget
 from .root_state import RootState
 
@@ -55,7 +55,7 @@ class ParamGroup:
         modules: its modules (several for ``fully_shard([a, b])``).
     """
 
-    def __init__(self, params: GroupParams, settings: GroupSettings, *,
+    def __init__(self, params: ParamShards, settings: GroupSettings, *,
                  modules: list[nn.Module]) -> None:
         # What profiler labels and debug logs call the group: its module's path under
         # the root (set when the root links the groups; "" for the root).

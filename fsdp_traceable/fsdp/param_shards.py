@@ -37,7 +37,7 @@ from .unsharded_binding import Binding, bind_unsharded, is_bound, unbind_unshard
 Versions = list[tuple[int, int]]
 
 
-class GroupParams:
+class ParamShards:
     """The sharded parameters of one group, one :class:`ShardInfo` and one
     ``nn.Parameter(DTensor)`` each, and where they live and communicate.
 
