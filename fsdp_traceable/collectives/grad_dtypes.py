@@ -16,10 +16,15 @@ of mixed bf16/fp32 gradients (``fsdp::chunk_cat_mixed_dtype``); a no-sync microb
 casts its gradient to ``grad_dtype`` before adding it to the earlier ones, where
 torch 2.13 added it to the ``reduce_dtype`` accumulator first and rounded the sum.
 
+A tensor-parallel parameter keeps its ``grad_dtype`` through backward (FSDP2's
+``may_reduce_grad_outside_dp``), so the reduction of its gradient over the TP mesh (a
+replicated norm weight's ``Partial``) runs in that dtype too (:func:`tp_grad_dtype`).
+
 ``fully_shard`` follows whichever its torch's FSDP2 does, detected from FSDP2 itself:
 :func:`keeps_wider_grads` reads both FSDP2's ``unsharded_grad_dtype`` and autograd's
 ``FunctionCtx.set_output_grad_dtype``, through which the unsharded parameters (outputs
-of ``UnshardParams``) pass such gradients uncast (:func:`output_grad_dtypes`).
+of ``UnshardParams``, and the TP DTensors around them) pass such gradients uncast
+(:func:`output_grad_dtypes`). Compiled, gradients keep their outputs' dtypes.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from collections.abc import Sequence
 
 import torch
 
+from . import comm
 from .shard_info import SUPPORTED_DTYPES, ShardInfo
 
-__all__ = ["default_reduce_dtype", "keeps_wider_grads", "output_grad_dtypes"]
+__all__ = ["default_reduce_dtype", "keeps_wider_grads", "output_grad_dtypes", "tp_grad_dtype"]
 
 
 @functools.cache
@@ -70,8 +76,26 @@ def is_wider(info: ShardInfo) -> bool:
     return info.reduce_dtype.itemsize > info.param_dtype.itemsize
 
 
+def tp_grad_dtype(info: ShardInfo) -> torch.dtype | None:
+    """The gradient dtype a tensor-parallel parameter's DTensor declares in eager
+    backward, or ``None`` for its own dtype: FSDP2 keeps such a parameter's
+    ``grad_dtype`` (``unsharded_grad_dtype``) through backward, so its gradient's
+    reduction over the TP mesh (a norm weight's ``Partial``) runs in that dtype.
+
+    Args:
+        info: the parameter's shard layout.
+
+    Returns:
+        ``info.reduce_dtype`` where it differs from the compute dtype, else ``None``.
+    """
+    if (not keeps_wider_grads() or torch.compiler.is_compiling() or comm.use_traced_path()
+            or info.reduce_dtype == info.param_dtype):
+        return None
+    return info.reduce_dtype
+
+
 def output_grad_dtypes(infos: Sequence[ShardInfo], outputs: Sequence[torch.Tensor],
-                       trainable: Sequence[bool], plain: Sequence[bool]
+                       trainable: Sequence[bool], tensor_parallel: Sequence[bool]
                        ) -> tuple[torch.dtype | None, ...] | None:
     """What ``UnshardParams`` declares with ``ctx.set_output_grad_dtype``, or ``None``
     where it keeps autograd's default (every gradient cast to its output's dtype).
@@ -81,17 +105,21 @@ def output_grad_dtypes(infos: Sequence[ShardInfo], outputs: Sequence[torch.Tenso
         outputs: their unsharded tensors, the Function's outputs.
         trainable: per parameter, whether it requires a gradient (a frozen output is
             non-differentiable and declares ``None``).
-        plain: per parameter, whether modules read its unsharded tensor as is (a
-            tensor-parallel one is read through a DTensor and keeps the default).
+        tensor_parallel: per parameter, whether modules read it through a TP DTensor,
+            whose gradient arrives in :func:`tp_grad_dtype`.
 
     Returns:
-        Per output, ``None`` (pass the gradient uncast) or its own dtype.
+        Per output, ``None`` (pass the gradient uncast) or a dtype to cast it to.
     """
     # Eager only: a traced backward's gradients keep their outputs' dtypes.
     if not keeps_wider_grads() or torch.compiler.is_compiling():
         return None
-    wide = [t and p and is_wider(i) for i, t, p in zip(infos, trainable, plain)]
-    if not any(wide):
+    dtypes = []
+    for info, out, train, tp in zip(infos, outputs, trainable, tensor_parallel):
+        if not train or (not tp and is_wider(info)):
+            dtypes.append(None)
+        else:
+            dtypes.append((tp_grad_dtype(info) if tp else None) or out.dtype)
+    if all(d == out.dtype for d, out, train in zip(dtypes, outputs, trainable) if train):
         return None
-    return tuple(None if w or not t else out.dtype
-                 for out, w, t in zip(outputs, wide, trainable))
+    return tuple(dtypes)

@@ -39,7 +39,7 @@ def declare_grad_dtypes(ctx: torch.autograd.function.FunctionCtx, params: ParamS
         return
     dtypes = output_grad_dtypes(params.infos, unsharded,
                                 [p.requires_grad for p in params.sharded_params],
-                                [layout is None for layout in params.tp_layouts])
+                                [layout is not None for layout in params.tp_layouts])
     if dtypes is not None:
         ctx.set_output_grad_dtype(*dtypes)
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from ..collectives import ShardInfo
 from ..collectives.bucket_layout import BucketLayout
+from ..collectives.grad_dtypes import tp_grad_dtype
 from ..collectives.validation import check_bucket_bytes
 from .arguments import shard_placement
 from .features.all_gather_extensions import (
@@ -181,7 +182,9 @@ class ParamShards:
         """What a module reads for parameter ``index`` bound to ``unsharded``: a TP
         parameter as a DTensor on its TP mesh (see [Note: TP parameters])."""
         layout = self.tp_layouts[index] if self.has_tp_params else None
-        return unsharded if layout is None else layout.unsharded(unsharded)
+        if layout is None:
+            return unsharded
+        return layout.unsharded(unsharded, tp_grad_dtype(self.infos[index]))
 
     def unbind(self) -> None:
         """Makes the modules read their sharded parameters again."""

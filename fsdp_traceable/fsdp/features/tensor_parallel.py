@@ -65,10 +65,13 @@ class TensorParallelLayout:
     # dp_mesh_dims only: the mesh dims whose gradient placement backward keeps.
     dp_dims: frozenset[int] = frozenset()
 
-    def unsharded(self, local: torch.Tensor) -> DTensor:
+    def unsharded(self, local: torch.Tensor, grad_dtype: torch.dtype | None = None) -> DTensor:
         """The TP DTensor forward computes with, around the all-gathered ``local``
-        (differentiable: see [Note: TP parameters])."""
+        (differentiable: see [Note: TP parameters]); its gradient in ``grad_dtype``
+        (eager only; see [Note: wider gradient dtypes]) if given."""
         spec = self.tp_spec
+        if grad_dtype is not None:
+            return _KeepDataParallelGrad.apply(local, spec, self.dp_dims, grad_dtype)
         if self.dp_dims:
             if comm.use_traced_path():
                 # AOTAutograd hands the Function's backward the gradient's local tensor
@@ -86,21 +89,25 @@ class TensorParallelLayout:
 
 class _KeepDataParallelGrad(torch.autograd.Function):
     """``DTensor.from_local`` whose backward redistributes the gradient to the
-    parameter's placements on the non-dp dims only (see [Note: TP parameters])."""
+    parameter's placements on the non-dp dims only (see [Note: TP parameters]; all dims
+    where ``dp_dims`` is empty), the gradient first cast to ``grad_dtype`` if given."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, dp_dims: frozenset[int]) -> DTensor:
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, dp_dims: frozenset[int],
+                grad_dtype: torch.dtype | None = None) -> DTensor:
         ctx.spec, ctx.dp_dims = spec, dp_dims
+        if grad_dtype is not None:
+            ctx.set_output_grad_dtype(grad_dtype)
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                                   shape=spec.shape, stride=spec.stride)
 
     @staticmethod
-    def backward(ctx, grad: DTensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: DTensor) -> tuple[torch.Tensor, None, None, None]:
         placements = tuple(grad.placements[i] if i in ctx.dp_dims else p
                            for i, p in enumerate(ctx.spec.placements))
         if placements != tuple(grad.placements):
             grad = grad.redistribute(placements=placements)
-        return grad.to_local(), None, None
+        return grad.to_local(), None, None, None
 
 
 def tensor_parallel_layout(
