@@ -88,8 +88,8 @@ def tp_grad_dtype(info: ShardInfo) -> torch.dtype | None:
     Returns:
         ``info.reduce_dtype`` where it differs from the compute dtype, else ``None``.
     """
-    if (not keeps_wider_grads() or torch.compiler.is_compiling() or comm.use_traced_path()
-            or info.reduce_dtype == info.param_dtype):
+    if (torch.compiler.is_compiling() or comm.use_traced_path()
+            or info.reduce_dtype == info.param_dtype or not keeps_wider_grads()):
         return None
     return info.reduce_dtype
 
@@ -112,7 +112,7 @@ def output_grad_dtypes(infos: Sequence[ShardInfo], outputs: Sequence[torch.Tenso
         Per output, ``None`` (pass the gradient uncast) or a dtype to cast it to.
     """
     # Eager only: a traced backward's gradients keep their outputs' dtypes.
-    if not keeps_wider_grads() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not keeps_wider_grads():
         return None
     dtypes = []
     for info, out, train, tp in zip(infos, outputs, trainable, tensor_parallel):
