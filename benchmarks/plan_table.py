@@ -8,7 +8,8 @@ for mixed-precision Adam): 16 bytes per parameter over the data-parallel ranks. 
 the model state is fp32 parameters (4), fp32 gradients (4) and fp32 Adam moments (8),
 also 16 bytes per parameter, over dp x tp ranks.
 
-Run: ``python benchmarks/plan_table.py > docs/plan_table.md`` (each row one plan,
+Run: ``python benchmarks/plan_table.py`` (prints the table and writes it to
+``benchmarks/out/plan_table.md``, or ``--out``/``--publish``; each row one plan,
 bf16 parameters, fp32 reduction, full activation checkpointing, batch 1 x 8192 tokens
 per data-parallel rank, tensor parallel 8 from 64 GPUs up, 1 below).
 """
@@ -19,6 +20,7 @@ import argparse
 import time
 
 from fsdp_traceable.cli.arguments import PlanArgs
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 from fsdp_traceable.cli.plan import plan_for
 from fsdp_traceable.plan.report import GIB
 
@@ -30,12 +32,21 @@ ZERO3_BYTES_PER_PARAM = 16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
+    add_output_arguments(parser, "plan_table.md")
     options = parser.parse_args()
-    print("| model | GPUs (dp x tp) | params + grads + Adam / GPU | ZeRO-3 formula / GPU "
-          "| unsharded params at peak | activations at peak | peak / GPU "
-          "| FSDP all-gather / step | FSDP reduce-scatter / step | TP collectives / step "
-          "| plan time |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    path = output_path(options.out, options.publish, "plan_table.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    emit("| model | GPUs (dp x tp) | params + grads + Adam / GPU | ZeRO-3 formula / GPU "
+         "| unsharded params at peak | activations at peak | peak / GPU "
+         "| FSDP all-gather / step | FSDP reduce-scatter / step | TP collectives / step "
+         "| plan time |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
     for model, world, tp in ROWS:
         start = time.perf_counter()
         args = PlanArgs(model=model, world_size=world, tp=tp, seq_len=options.seq_len,
@@ -52,13 +63,14 @@ def main() -> None:
             target = tensor_parallel if group.startswith("tensor parallel") else fsdp[kind]
             target[0] += count
             target[1] += nbytes
-        print(f"| {model} | {world} ({world // tp} x {tp}) | {state / GIB:.1f} GiB "
-              f"| {zero3 / GIB:.1f} GiB | {plan.at_peak.get('unsharded parameters', 0) / GIB:.2f} GiB "
-              f"| {plan.at_peak.get('activations', 0) / GIB:.2f} GiB | {plan.peak_bytes / GIB:.1f} GiB "
-              f"| {fsdp['all-gather'][0]} x, {fsdp['all-gather'][1] / GIB:.0f} GiB "
-              f"| {fsdp['reduce-scatter'][0]} x, {fsdp['reduce-scatter'][1] / GIB:.0f} GiB "
-              f"| {tensor_parallel[0]} x, {tensor_parallel[1] / GIB:.0f} GiB | {seconds:.0f} s |",
-              flush=True)
+        emit(f"| {model} | {world} ({world // tp} x {tp}) | {state / GIB:.1f} GiB "
+             f"| {zero3 / GIB:.1f} GiB | {plan.at_peak.get('unsharded parameters', 0) / GIB:.2f} GiB "
+             f"| {plan.at_peak.get('activations', 0) / GIB:.2f} GiB | {plan.peak_bytes / GIB:.1f} GiB "
+             f"| {fsdp['all-gather'][0]} x, {fsdp['all-gather'][1] / GIB:.0f} GiB "
+             f"| {fsdp['reduce-scatter'][0]} x, {fsdp['reduce-scatter'][1] / GIB:.0f} GiB "
+             f"| {tensor_parallel[0]} x, {tensor_parallel[1] / GIB:.0f} GiB | {seconds:.0f} s |")
+    stamp = provenance()
+    path.write_text("\n".join(lines) + f"\n\n(commit {stamp['commit']}, {stamp['date']})\n")
 
 
 if __name__ == "__main__":

@@ -211,9 +211,9 @@ def test_forward_regions_name_the_torch_they_need() -> None:
 
 def test_compile_step_names_the_torch_it_needs(monkeypatch) -> None:
     # (Every supported torch traces backward(); older ones get this error.)
-    from fsdp_traceable import whole_step
+    from fsdp_traceable.whole_step import capture
 
-    monkeypatch.setattr(whole_step, "dynamo_traces_backward_into_dtensors", lambda: False)
+    monkeypatch.setattr(capture, "dynamo_traces_backward_into_dtensors", lambda: False)
     with pytest.raises(RuntimeError, match=r"trace_autograd_ops, 2\.11 or newer"):
         fsdp_traceable.compile_step(lambda: None)
 
@@ -355,7 +355,7 @@ def test_forward_regions_name_the_switch_for_an_output_they_cannot_return(
 
 def test_side_effect_records_are_kept_only_where_something_reads_them(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_traceable.whole_step import _dynamo_settings
+    from fsdp_traceable.whole_step.capture import _dynamo_settings
 
     def policy() -> str:
         with torch._dynamo.config.patch(_dynamo_settings()):
