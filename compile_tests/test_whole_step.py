@@ -79,14 +79,6 @@ def test_whole_step_trains_like_fsdp2_eager_in_one_graph() -> None:
             for name, param in theirs["params"].items():
                 torch.testing.assert_close(ours["params"][name], param, rtol=0, atol=1e-5,
                                            msg=lambda m, n=name: f"{what} {n}: {m}")
-            # Compiled as torch documents a whole step (trace_autograd_ops, then
-            # torch.compile): compile_step's numbers, bit for bit (see [Note: the whole
-            # step's passes in every whole step]).
-            plain = by_setting["inductor regions"]["plain"]
-            assert plain["frames"] == 1 and plain["regions"] == (4, 2), what
-            assert plain["losses"] == ours["losses"], what
-            for name, param in ours["params"].items():
-                assert torch.equal(plain["params"][name], param), f"{what} plain {name}"
         # The gradients clipped, then AdamW's update and zero_grad, in the graph, the
         # learning rate halved every step without a recompile: eager's numbers but for
         # the bias corrections, which the graph computes as tensors where eager takes

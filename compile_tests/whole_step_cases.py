@@ -89,10 +89,7 @@ def inductor_regions(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     base = _NormMLPStack(UNEVEN.vocab_size)
     results = {}
-    # "plain": ours compiled as torch documents a whole step (trace_autograd_ops, then
-    # torch.compile), not by compile_step; first, so nothing of compile_step ran before
-    # it in this process but for the aot_eager steps of train_each.
-    for name, fully_shard_fn in (("plain", fsdp_traceable.fully_shard), *LIBRARIES):
+    for name, fully_shard_fn in LIBRARIES:
         model = copy.deepcopy(base)
         for index in (1, 3):
             model.layers[index] = checkpoint_wrapper(model.layers[index], preserve_rng_state=False)
@@ -101,7 +98,7 @@ def inductor_regions(rank: int, world_size: int) -> dict[str, Any]:
         fully_shard_fn(model)
         with torch.compiler.config.patch(force_disable_caches=True):
             results[name] = _train(model, _token_loss, name != "theirs", rank, world_size,
-                                   "inductor", forward_regions=True, plain=name == "plain")
+                                   "inductor", forward_regions=True)
     return results
 
 
@@ -138,12 +135,11 @@ def llama(rank: int, world_size: int, backend: str) -> dict[str, Any]:
 
 def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_step: bool,
            rank: int, world_size: int, backend: str, forward_regions: bool = False,
-           optimizer_in_step: bool = False, plain: bool = False) -> dict[str, Any]:
+           optimizer_in_step: bool = False) -> dict[str, Any]:
     """``STEPS`` AdamW steps of ``model``, eagerly or with the whole step compiled;
     ``optimizer_in_step``: the gradients clipped to a total norm of ``MAX_NORM`` in the
     step, under a learning rate halved every step, and compiled with the optimizer's
-    update in the step (``compile_step(optimizer=...)``); ``plain``: the whole step
-    compiled by ``torch.compile`` under ``trace_autograd_ops``, not by ``compile_step``.
+    update in the step (``compile_step(optimizer=...)``).
 
     Returns:
         ``losses``, ``norms`` (the gradients' total norms before clipping, with the
@@ -171,15 +167,8 @@ def _train(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], whole_s
         torch._dynamo.reset()
         counters.clear()
         counter = CompileCounterWithBackend(backend)
-        if plain:
-            compiled = torch.compile(step, backend=counter, fullgraph=True)
-
-            def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-                with torch._dynamo.config.patch(trace_autograd_ops=True):
-                    return compiled(tokens, targets)
-        else:
-            step = fsdp_traceable.compile_step(
-                step, backend=counter, optimizer=optimizer if optimizer_in_step else None)
+        step = fsdp_traceable.compile_step(
+            step, backend=counter, optimizer=optimizer if optimizer_in_step else None)
     losses, grads, norms = [], {}, []
     for index in range(STEPS):
         with fsdp_traceable.config.patch(forward_regions=forward_regions):

@@ -87,23 +87,22 @@ def count_all_gathers() -> Iterator[list[int]]:
 
 
 @contextlib.contextmanager
-def record_all_gathers(record: Callable[[torch.Tensor, torch.Tensor, Any], Any]) -> Iterator[list]:
-    """Records ``record(output, input, group)`` for every eager c10d flat all-gather
-    either library issues (under both names; the outermost call only), in call order.
+def record_c10d_calls(names: tuple[str, ...], record: Callable[..., Any]) -> Iterator[list]:
+    """Records ``record(output, input, args, kwargs)`` for every call of the c10d
+    functions ``names`` (those this torch has) either library issues (the outermost call
+    only), in call order.
 
     Returns:
         The list the records are appended to.
     """
     records: list = []
-    originals = {name: getattr(dist, name) for name in ("all_gather_single",
-                                                        "all_gather_into_tensor")
-                 if hasattr(dist, name)}
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
     depth = [0]
 
     def recording(original: Callable) -> Callable:
         def call(output, input, *args, **kwargs):
             if depth[0] == 0:
-                records.append(record(output, input, kwargs.get("group", args[0] if args else None)))
+                records.append(record(output, input, args, kwargs))
             depth[0] += 1
             try:
                 return original(output, input, *args, **kwargs)
@@ -118,6 +117,16 @@ def record_all_gathers(record: Callable[[torch.Tensor, torch.Tensor, Any], Any])
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def record_all_gathers(record: Callable[[torch.Tensor, torch.Tensor, Any], Any]
+                       ) -> contextlib.AbstractContextManager[list]:
+    """Records ``record(output, input, group)`` for every eager c10d flat all-gather
+    either library issues (under both names; the outermost call only), in call order."""
+    return record_c10d_calls(
+        ("all_gather_single", "all_gather_into_tensor"),
+        lambda output, input, args, kwargs: record(
+            output, input, kwargs.get("group", args[0] if args else None)))
 
 
 def case_results(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

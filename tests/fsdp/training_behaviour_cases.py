@@ -14,11 +14,10 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -26,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_traceable
-from tests.fsdp.feature_cases import seeded_transformer
+from tests.fsdp.feature_cases import record_c10d_calls, seeded_transformer
 from tests.fsdp.parity_utils import batch, full_params, make_optimizer, shard_copies
 
 LIBRARIES = (("theirs", fsdp2_fully_shard), ("ours", fsdp_traceable.fully_shard))
@@ -106,37 +105,12 @@ def clip_grad_norm(rank: int, world_size: int) -> dict[str, Any]:
 # -- mixed precision ---------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _record_reduce_scatters(record: Callable[[torch.Tensor, torch.Tensor], Any]) -> Iterator[list]:
+def _record_reduce_scatters(record: Callable[[torch.Tensor, torch.Tensor], Any]
+                            ) -> contextlib.AbstractContextManager[list]:
     """Appends ``record(output, input)`` for every eager c10d reduce-scatter either library
-    issues (the outermost call only, under each name torch has).
-
-    Returns:
-        The list the records are appended to.
-    """
-    records: list = []
-    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
-    depth = [0]
-
-    def recording(original: Callable) -> Callable:
-        def call(output, input, *args, **kwargs):
-            if depth[0] == 0:
-                records.append(record(output, input))
-            depth[0] += 1
-            try:
-                return original(output, input, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return call
-
-    for n, original in originals.items():
-        setattr(dist, n, recording(original))
-    try:
-        yield records
-    finally:
-        for n, original in originals.items():
-            setattr(dist, n, original)
+    issues (the outermost call only, under each name torch has)."""
+    return record_c10d_calls(("reduce_scatter_tensor", "reduce_scatter_single"),
+                             lambda output, input, args, kwargs: record(output, input))
 
 
 MP_COMBOS = {
