@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +19,21 @@ from fsdp_traceable.testing import count_collectives
 from fsdp_traceable.whole_step import dynamo_traces_backward_into_dtensors
 
 # -- the whole step's recompute pass sees one backward and recomputes views -------------
+
+
+def _sharded_whole_step() -> tuple[Transformer, Callable[[torch.Tensor], torch.Tensor]]:
+    """A tiny transformer sharded per block and at the root (inside a process group),
+    and its whole training step: forward, loss and ``backward()``."""
+    config = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    torch.manual_seed(0)
+    model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = model.loss(tokens, tokens)
+        loss.backward()
+        return loss.detach()
+
+    return model, step
 
 
 @pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
@@ -39,7 +55,6 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups(monkeypatch)
     monkeypatch.setattr(traced_step_passes, "prepare_traced_step", lambda: None)
     module = importlib.import_module(_torch_patches.REMAT_PASS_MODULE)
     patched = module.remat_using_tags_for_fwd_loss_bwd_graph
-    config = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
     graphs: list[fx.GraphModule] = []
 
     def keep(gm: fx.GraphModule, example_inputs: object) -> fx.GraphModule:
@@ -47,14 +62,7 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups(monkeypatch)
         return gm
 
     with fake_process_group(2):
-        torch.manual_seed(0)
-        model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            loss = model.loss(tokens, tokens)
-            loss.backward()
-            return loss.detach()
-
+        model, step = _sharded_whole_step()
         module.remat_using_tags_for_fwd_loss_bwd_graph = patched.__wrapped__
         refused = (contextlib.nullcontext() if _pass_reads_annotation(module)
                    else pytest.raises(Exception, match="disjoint backward regions"))
@@ -102,19 +110,11 @@ def test_plain_whole_step_compile_completes_the_pass_for_our_graphs_only(monkeyp
     # forward regions torch alone refuses this graph: the test above); a user's own
     # whole step in the same process then gets torch's pass unchanged.
     acted_on = _recorded_passes(monkeypatch)
-    config = TransformerConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
     tokens = torch.zeros(2, 8, dtype=torch.long)
     with (fake_process_group(2), torch._dynamo.config.patch(trace_autograd_ops=True),
           torch._functorch.config.patch(enable_autograd_cache=False),
           fsdp_traceable.config.patch(forward_regions=False)):
-        torch.manual_seed(0)
-        model = shard_transformer(Transformer(config), fsdp_traceable.fully_shard)
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            loss = model.loss(tokens, tokens)
-            loss.backward()
-            return loss.detach()
-
+        model, step = _sharded_whole_step()
         torch.compile(step, backend="aot_eager", fullgraph=True)(tokens)
         assert len(acted_on) == 1
         assert all(p.grad is not None for p in model.parameters())
