@@ -139,6 +139,11 @@ class EagerState:
                 self._unsharded_for_backward = list(self._forward_unsharded)
             self._forward_unsharded = None
 
+    @property
+    def holds_unsharded(self) -> bool:
+        """Whether unsharded parameters are held for a backward or past one."""
+        return self._unsharded_for_backward is not None or self._forward_unsharded is not None
+
     def drop_unsharded(self) -> None:
         """Drops every unsharded parameter held (the prefetched all-gather apart)."""
         self._unsharded_for_backward = None

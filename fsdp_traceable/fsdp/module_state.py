@@ -116,6 +116,12 @@ class _GroupView:
         return self._group.name
 
     @property
+    def is_unsharded(self) -> bool:
+        """Whether the group holds its unsharded parameters (torchtitan's chunked loss
+        checks it between ``set_reshard_after_forward/backward(False)`` chunks)."""
+        return self._group.holds_unsharded
+
+    @property
     def fsdp_params(self) -> list[_ParamView]:
         return [_ParamView(fqn) for fqn in self._group.params.fqns]
 

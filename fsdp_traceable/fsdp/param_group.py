@@ -670,6 +670,15 @@ class ParamGroup:
         """HSDP: whether backwards without the all-reduce left reduce-scatter output."""
         return self._eager.has_partial_reduce_output
 
+    @property
+    def holds_unsharded(self) -> bool:
+        """Whether the group holds its unsharded parameters (FSDP2's
+        ``FSDPParamGroup.is_unsharded``): gathered by ``unshard()`` or a forward and not
+        resharded yet, or kept past a backward (``reshard_after_forward=False``,
+        ``reshard_after_backward=False``); not the piece ``reshard_after_forward=N`` keeps."""
+        return (self._state is not GroupState.SHARDED or self.params.is_bound
+                or self._eager.holds_unsharded)
+
     def drop_kept_storage(self) -> None:
         """Frees the storage ``set_keep_unsharded_storage(True)`` kept."""
         self._eager.kept_storage.drop()

@@ -332,6 +332,24 @@ def test_weights_frozen_inside_groups_reduce_only_trainable_numel(two_ranks):
 
 
 @pytest.mark.gloo
+def test_group_kept_unsharded_across_head_chunks_like_fsdp2(two_ranks):
+    for result in case_results(two_ranks, "chunked_head_reshard_toggle"):
+        for initial_reshard in (False, True):
+            theirs = result[f"theirs_{initial_reshard}"]
+            ours = result[f"ours_{initial_reshard}"]
+            # sharded before the first step; each step: unsharded after both chunks,
+            # sharded after the explicit reshard()
+            assert ours["unsharded"] == theirs["unsharded"] == [False] + [True, True, False] * 2
+            assert_same_training(theirs, ours)
+
+
+@pytest.mark.gloo
+def test_ddp_around_a_sharded_submodule_matches_fsdp2(two_ranks):
+    for result in case_results(two_ranks, "ddp_around_sharded_module"):
+        assert_same_training(result["theirs"], result["ours"])
+
+
+@pytest.mark.gloo
 def test_jvp_through_sharded_modules_sees_constant_params_like_fsdp2(two_ranks):
     for result in case_results(two_ranks, "forward_mode_jvp"):
         for reshard in (False, True):

@@ -545,6 +545,102 @@ def forward_mode_jvp(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+# -- a head applied chunk by chunk, kept unsharded between chunks ----------------------
+
+
+VOCAB = 32
+
+
+class _ChunkedHead(nn.Module):
+    """torchtitan's chunked-loss layout: the forward can stop before the output head,
+    which the loss then applies chunk by chunk outside the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.body = nn.Linear(DIM, DIM, bias=False)
+        self.norm = nn.RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        hidden = self.norm(self.body(self.embed(tokens)))
+        return hidden if skip_head else self.head(hidden)
+
+
+def chunked_head_reshard_toggle(rank: int, world_size: int) -> dict[str, Any]:
+    """The head's group (``[norm, head]``) with reshard after forward and backward
+    switched off for a loop of chunk forwards and backwards, switched back on and
+    resharded explicitly, then the body's backward from the chunks' input gradients.
+    Records whether FSDP2's ``FSDPParamGroup.is_unsharded`` (read through
+    ``_get_fsdp_state()._fsdp_param_group``) holds before the first step, after each
+    chunk and after ``reshard()``; the group reshards after forward from the start or not."""
+    result: dict[str, Any] = {}
+    for initial_reshard in (False, True):
+        for name, fully_shard_fn in LIBRARIES:
+            torch.manual_seed(0)
+            model = _ChunkedHead()
+            fully_shard_fn(model.embed)
+            fully_shard_fn(model.body)
+            fully_shard_fn([model.norm, model.head], reshard_after_forward=initial_reshard)
+            fully_shard_fn(model)
+            group = model.head._get_fsdp_state()._fsdp_param_group
+            optimizer = make_optimizer("adamw", model.parameters())
+            unsharded, losses, grads = [group.is_unsharded], [], None
+            for step in range(2):
+                tokens = torch.randint(0, VOCAB, (2, 8),
+                                       generator=torch.Generator().manual_seed(100 * step + rank))
+                hidden = model(tokens, skip_head=True)
+                model.head.set_reshard_after_forward(False)
+                model.head.set_reshard_after_backward(False)
+                hidden_grads, loss = [], 0.0
+                for chunk in torch.chunk(hidden.detach(), 2, dim=1):
+                    chunk = chunk.contiguous().requires_grad_(True)
+                    chunk_loss = model.head(chunk).square().mean()
+                    chunk_loss.backward()
+                    loss += chunk_loss.item()
+                    hidden_grads.append(chunk.grad)
+                    unsharded.append(group.is_unsharded)
+                model.head.set_reshard_after_forward(True)
+                model.head.set_reshard_after_backward(True)
+                model.head.reshard()
+                unsharded.append(group.is_unsharded)
+                hidden.backward(torch.cat(hidden_grads, dim=1))
+                losses.append(loss)
+                if grads is None:
+                    grads = [_full(p.grad) for p in model.parameters()]
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=step % 2 == 0)
+            result[f"{name}_{initial_reshard}"] = {
+                "losses": losses, "grads": grads, "params": full_params(model),
+                "unsharded": unsharded,
+            }
+    return result
+
+
+# -- DDP around a model with a sharded submodule -----------------------------------------
+
+
+def ddp_around_sharded_module(rank: int, world_size: int) -> dict[str, Any]:
+    """``DistributedDataParallel`` around a model whose middle block alone is sharded
+    (the block's parameters left out of DDP, as FSDP2's ``test_fully_shard_ignore_params``
+    composes them): DDP all-reduces the outer layers' gradients, the block reduce-scatters
+    its own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    result: dict[str, Any] = {}
+    for name, fully_shard_fn in LIBRARIES:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, DIM),
+                              nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.ReLU(),
+                                            nn.Linear(2 * DIM, DIM)),
+                              nn.Linear(DIM, DIM))
+        fully_shard_fn(model[1])
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [f"1.{param_name}" for param_name, _ in model[1].named_parameters()])
+        result[name] = _train_small(DistributedDataParallel(model), rank)
+    return result
+
+
 CASES = (
     ("clip_grad_norm", clip_grad_norm),
     ("mixed_precision_dtypes", mixed_precision_dtypes),
@@ -554,4 +650,6 @@ CASES = (
     ("unused_outputs_and_modules", unused_outputs_and_modules),
     ("frozen_weights_in_group", frozen_weights_in_group),
     ("forward_mode_jvp", forward_mode_jvp),
+    ("chunked_head_reshard_toggle", chunked_head_reshard_toggle),
+    ("ddp_around_sharded_module", ddp_around_sharded_module),
 )
