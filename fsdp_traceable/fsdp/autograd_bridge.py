@@ -105,9 +105,8 @@ class UnshardParams(torch.autograd.Function):
     def backward(ctx, *unsharded_grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         accumulated = dict(zip(ctx.accumulated_indices, ctx.saved_tensors))
         sharded_grads = ctx.group.post_backward(unsharded_grads, accumulated)
-        if not comm.use_traced_path():
-            # See [Note: post-accumulate-grad hooks in eager backward].
-            ctx.group.hide_post_accumulate_hooks()
+        # Eager only: see [Note: post-accumulate-grad hooks in eager backward].
+        ctx.group.hide_post_accumulate_hooks()
         sharded_grads = [
             grad if grad is None or spec is None else _sharded_grad(grad, spec)
             for grad, spec in zip(sharded_grads, ctx.specs)

@@ -5,7 +5,8 @@ pre/post backward.
 ``FSDPModule`` calls these methods and nothing else of the group's runtime state,
 which is private here. The group owns its parameters (:class:`ParamShards`: what is
 sharded, where, and bound to which modules), its settings (:class:`GroupSettings`),
-and its eager state (:class:`EagerState`). A forward goes
+its eager state (:class:`EagerState`), and its two paths, whose steps its phases call
+(see [Note: the traced/eager seam]). A forward goes
 ``FSDPModule.forward -> ParamGroup.pre_forward -> unshard_params -> collectives``;
 a backward ``UnshardParams.backward -> ParamGroup.post_backward -> collectives`` and,
 eager, on to the model's reduction queue, which writes ``.grad``.
@@ -21,11 +22,10 @@ import torch
 import torch.nn as nn
 
 from ..collectives import comm
-from ..collectives.reduce import finish_foreach_reduce
 from ..profiler_labels import labelled, phase
-from ..tracing import in_backward
-from . import activation_checkpointing, block_backward, group_all_gather, post_accumulate_hooks
+from . import activation_checkpointing, block_backward, group_all_gather
 from .autograd_bridge import unshard_params
+from .eager_phases import EagerPath
 from .eager_state import EagerState
 from .features.all_gather_extensions import PendingUnshard
 from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
@@ -33,10 +33,21 @@ from .gradient_reduction import gradients_to_reduce, start_reduce
 from .group_settings import GroupSettings
 from .group_state import GroupState
 from .param_shards import ParamShards
-from .reduce_queue import GradientTarget
 from .root_state import RootState
+from .traced_phases import TracedPath
 
 log = logging.getLogger(__name__)
+
+# [Note: the traced/eager seam]
+# A group's phase (unshard, pre/post forward, pre/post backward) is written once, in
+# ParamGroup; the steps where the eager path and the traced path differ are asked of
+# ``self._path()``, picked once per call by ``comm.use_traced_path()``: an
+# :class:`EagerPath` (eager_phases.py: prefetch, parameters kept for backward and their
+# saved-tensor tokens, the reduce queue, hidden post-accumulate-grad hooks) or a
+# :class:`TracedPath` (traced_phases.py: functional collectives, the all-gather
+# recomputed in backward, gradients returned through autograd). Both implement the same
+# steps; no phase branches on the path itself. Dynamo evaluates the choice while
+# tracing, so a graph holds the traced steps only.
 
 
 class ParamGroup:
@@ -77,10 +88,20 @@ class ParamGroup:
         # pass ends with the root's forward at the latest.
         self._list_groups: list[ParamGroup] = []
         # Eager-only state between calls (prefetch, parameters kept for backward,
-        # no-sync gradient accumulation).
-        self._eager = EagerState()
-        # Whether an eager backward hid post-accumulate-grad hooks not yet restored.
-        self._hooks_hidden = False
+        # no-sync gradient accumulation), and the two paths' steps (see [Note: the
+        # traced/eager seam]).
+        self._eager_state = EagerState()
+        self._eager_path = EagerPath(self, self._eager_state)
+        self._traced_path = TracedPath(self, self._eager_state)
+
+    def _path(self) -> EagerPath | TracedPath:
+        """The path this call runs (see [Note: the traced/eager seam])."""
+        return self._traced_path if comm.use_traced_path() else self._eager_path
+
+    @property
+    def state(self) -> GroupState:
+        """Where the group's unsharded parameters are (see :class:`GroupState`)."""
+        return self._state
 
     @property
     def log_name(self) -> str:
@@ -159,7 +180,7 @@ class ParamGroup:
                 "between steps, after reshard()"
             )
         self.params.replace(index, param, register)
-        self._eager.reset()
+        self._eager_state.reset()
 
     # -- unshard, wait, reshard ------------------------------------------------------
 
@@ -175,8 +196,7 @@ class ParamGroup:
         """
         if self._state is not GroupState.SHARDED or self.params.is_bound:
             return False
-        if async_op and not comm.use_traced_path():
-            self.prefetch()
+        if async_op and self._path().unshard_ahead():
             return True
         self.wait_for_unshard()
         return False
@@ -198,50 +218,33 @@ class ParamGroup:
             self._set_state(GroupState.SHARDED)
             self.params.unbind()
         with phase("reshard", self.name):
-            self._finish_prefetch()
-            self._eager.drop_unsharded()
+            self._eager_path.finish_prefetch()
+            self._eager_state.drop_unsharded()
 
     def reset_iter_state(self) -> None:
         """Ends a ``fully_shard([a, b])`` forward pass left open and forgets no-sync
         gradients (after :meth:`reshard`)."""
         if self._state is GroupState.LIST_FORWARD:
             self._release_shared()
-        self._eager.keep_accumulated_grads(None)
-        self._eager.keep_partial_reduce_output(None)
+        self._eager_state.keep_accumulated_grads(None)
+        self._eager_state.keep_partial_reduce_output(None)
 
     # -- gathering ----------------------------------------------------------------------
 
     @property
     def has_prefetch(self) -> bool:
         """Whether an eager all-gather issued ahead of its use is in flight."""
-        return self._eager.prefetched is not None
+        return self._eager_state.prefetched is not None
 
     def refresh_params(self) -> None:
         """Re-reads the sharded parameters from their modules (after ``module._apply``,
         e.g. ``to_empty``, may have replaced them); forgets what eager kept of the old ones."""
         self.params.refresh()
-        self._eager.reset()
+        self._eager_state.reset()
 
     def prefetch(self) -> None:
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
-        if not self.params.sharded_params or self.compiled_on_its_own():
-            return
-        self.params.check_materialized()
-        if self._eager.holds_forward_unsharded(self.params.local_versions):
-            return  # still unsharded from a forward that keeps them, as FSDP2's group
-        if self._eager.prefetched is None and self._eager.unsharded_for_backward is None:
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("prefetch: all-gather of group %s issued early", self.log_name)
-            self._eager.keep_prefetched(self.start_all_gather(), self.params.local_versions())
-            if in_backward():
-                # As FSDP2's finalize_backward: a backward prefetch this backward did not
-                # use (its module's backward read no parameter) is waited for at the
-                # backward's end, not carried, buffer and all, into the next step.
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_prefetch)
-
-    def _finish_prefetch(self) -> None:
-        """Waits for the prefetched all-gather, if one is in flight, and drops it unused."""
-        group_all_gather.complete_all_gather(self._eager.take_prefetched()[0])
+        self._eager_path.prefetch()
 
     @property
     def region_eligible(self) -> bool:
@@ -265,59 +268,17 @@ class ParamGroup:
         ``reshard_after_forward=N``, the piece of :meth:`traced_post_forward_piece`,
         which it then re-gathers instead (see [Note: the post-forward piece, compiled]).
         """
-        if comm.use_traced_path():
-            if kept_piece is not None:
-                return self.settings.post_forward_mesh.traced_unsharded(kept_piece,
-                                                                        self.params.layout)
-            pending = group_all_gather.start_all_gather(
-                self.params, list(sharded_locals), streams=None,
-                all_gather_comm=self.settings.all_gather_comm)
-            return self.finish_all_gather(pending)
-        if self._eager.unsharded_for_backward is not None:
-            # Kept by a backward with reshard_after_backward=False: like FSDP2, the
-            # next forward uses them whatever the flag says now.
-            return self._eager.unsharded_for_backward
-        versions = self.params.local_versions()
-        kept = self._eager.forward_unsharded(versions)
-        if kept is not None:
-            # Gathered by an earlier forward of this group, which does not reshard after
-            # forward, and not resharded by a backward since: like FSDP2, still unsharded.
-            return kept
-        pending = self._take_prefetched(versions)
-        if pending is None:
-            pending = self.start_all_gather()
-        unsharded = self.finish_all_gather(pending)
-        post_forward_mesh = self.settings.post_forward_mesh
-        if post_forward_mesh is not None:
-            # FSDP2 keeps this piece from the forward's end until the next all-gather;
-            # it is taken now, while the all-gather output is alive.
-            self._eager.keep_piece(post_forward_mesh.keep(pending), versions)
-        return unsharded
+        return self._path().all_gather(sharded_locals, kept_piece)
 
     def traced_post_forward_piece(self, sharded_locals: list[torch.Tensor]) -> torch.Tensor:
-        """Traced, ``reshard_after_forward=N``: the all-gather of the local shards across
-        the groups of ``N`` ranks, the piece the forward and the backward re-gather from
-        (see [Note: the post-forward piece, compiled])."""
-        settings = self.settings
-        pending = group_all_gather.start_all_gather(
-            self.params, sharded_locals, streams=None, all_gather_comm=settings.all_gather_comm,
-            group=settings.post_forward_mesh.across_groups)
-        return comm.wait(pending.result.pending)
+        """Traced, ``reshard_after_forward=N``: the piece the forward and the backward
+        re-gather from (see [Note: the post-forward piece, compiled])."""
+        return self._traced_path.post_forward_piece(sharded_locals)
 
-    @labelled("all_gather")
     def start_all_gather(self) -> PendingUnshard:
         """Starts the group's all-gather (eager), from the post-forward piece when one is
         kept; finish it with :meth:`finish_all_gather`."""
-        settings = self.settings
-        kept, versions = self._eager.take_piece()
-        if (kept is not None and settings.post_forward_mesh is not None
-                and versions == self.params.local_versions()):
-            return settings.post_forward_mesh.regather(kept, settings.all_gather_comm)
-        return group_all_gather.start_all_gather(
-            self.params, [p._local_tensor for p in self.params.sharded_params],
-            streams=None if settings.unshard_async_op else settings.streams,
-            all_gather_comm=settings.all_gather_comm,
-        )
+        return self._eager_path.start_all_gather()
 
     @labelled("all_gather_copy_out")
     def finish_all_gather(self, pending: PendingUnshard) -> list[torch.Tensor]:
@@ -325,17 +286,8 @@ class ParamGroup:
         in the kept storage with ``set_keep_unsharded_storage(True)``."""
         unsharded = group_all_gather.finish_all_gather(pending)
         if self.settings.keep_unsharded_storage:
-            return self._eager.kept_storage.refill(unsharded)
+            return self._eager_state.kept_storage.refill(unsharded)
         return unsharded
-
-    def _take_prefetched(self, versions: list[tuple[int, int]]) -> PendingUnshard | None:
-        """The prefetched all-gather, unless a parameter changed since it was issued
-        (``versions``: the parameters' versions now)."""
-        pending, issued_versions = self._eager.take_prefetched()
-        if pending is not None and issued_versions != versions:
-            group_all_gather.complete_all_gather(pending)
-            pending = None
-        return pending
 
     # -- forward ------------------------------------------------------------------------
 
@@ -370,20 +322,9 @@ class ParamGroup:
 
     def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict, bind: bool
                        ) -> tuple[tuple, dict, ForwardScope]:
-        traced = comm.use_traced_path()
-        if not traced:  # see [Note: backward finalization]
-            self._root_state.finalization.before_forward()
-        if self._hooks_hidden and not traced:  # only an eager backward hides them
-            self.restore_post_accumulate_hooks()
+        path = self._path()
+        path.begin_forward()
         self.params.check_materialized()
-        settings = self.settings
-        if traced and (settings.explicit_forward_prefetch or settings.explicit_backward_prefetch):
-            raise NotImplementedError(
-                "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch schedule "
-                "eager all-gathers; in a compiled graph Inductor places them "
-                "(torch.compile(options=fsdp_traceable.inductor_options(overlap=True))). "
-                "Pass [] to both setters before compiling"
-            )
         args, kwargs = prepare_inputs(module, args, kwargs, self.params.device_type,
                                       self.params.mp_policy)
         # A fully_shard([a, b]) group's modules share one pass inside the root's forward;
@@ -395,16 +336,12 @@ class ParamGroup:
             unsharded = self._unsharded
             self._set_state(GroupState.SHARDED)
         elif self._state is GroupState.LIST_FORWARD:
-            return args, kwargs, ForwardScope(None, self._enter_hooks(traced))
+            return args, kwargs, ForwardScope(None, path.saved_tensor_hooks())
         elif self.params.is_bound:
             return args, kwargs, ForwardScope(None, None)
         else:
             reshard = self.settings.reshard_after_forward and torch.is_grad_enabled()
-            if traced:
-                unsharded = unshard_params(self, recompute_in_backward=reshard)
-            else:
-                with activation_checkpointing.outside_selective_checkpoint():
-                    unsharded = unshard_params(self, recompute_in_backward=False)
+            unsharded = path.gather_for_forward(reshard)
             if bind:
                 self.params.bind(unsharded)
             else:
@@ -412,19 +349,8 @@ class ParamGroup:
         if shared:
             self._set_state(GroupState.LIST_FORWARD, unsharded)
             self._modules_to_run = {id(m) for m in self.modules}
-        if not traced:
-            if not in_backward():  # see [Note: activation checkpointing]
-                for child in module._fsdp_next_groups:
-                    if child._state is not GroupState.UNSHARDED:  # else unshard() gathered it
-                        child.prefetch()
-            if self.settings.reshard_after_forward:
-                self._root_state.saved_unsharded.register(self, list(unsharded))
-            elif self.params.has_trainable:
-                # Its backward reshards them, or keeps them for the next forward; until
-                # then forwards reuse them, as FSDP2's unsharded group (after a no_grad
-                # forward too, as pipeline stages' shape inference runs one).
-                self._eager.keep_forward_unsharded(tuple(unsharded), self.params.local_versions())
-        return args, kwargs, ForwardScope(unsharded, self._enter_hooks(traced), bound)
+        path.after_forward_gather(module, unsharded)
+        return args, kwargs, ForwardScope(unsharded, path.saved_tensor_hooks(), bound)
 
     @labelled("post_forward")
     def post_forward(self, module: nn.Module, scope: ForwardScope, output: Any) -> Any:
@@ -480,47 +406,21 @@ class ParamGroup:
             self._release(unsharded)
 
     def _release(self, unsharded: tuple[torch.Tensor, ...], bound: bool = True) -> None:
-        if comm.use_traced_path():
-            if bound:
-                self.params.unbind()
-            return
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("group %s after forward: %s", self.log_name,
-                      "reshard (backward re-gathers)" if self.settings.reshard_after_forward
-                      else "keep the unsharded parameters for backward")
-        if not self.settings.reshard_after_forward:
-            self.params.unbind()
-            return
-        with phase("reshard", self.name):
-            self._root_state.saved_unsharded.unregister(list(unsharded))
-            # Parameters kept after a backward served this forward; like FSDP2, it
-            # reshards them now and backward gathers again.
-            self._eager.drop_for_backward()
-            self.params.unbind()
-
-    def _enter_hooks(self, traced: bool) -> Any:
-        """Eager reshard-after-forward: autograd saves tokens for the unsharded parameters."""
-        if traced or not self.settings.reshard_after_forward:
-            return None
-        if activation_checkpointing.in_checkpointed_region():
-            return None  # see [Note: activation checkpointing]
-        hooks = self._root_state.saved_unsharded.hooks()
-        hooks.__enter__()
-        return hooks
+        self._path().release(unsharded, bound)
 
     # -- backward -------------------------------------------------------------------------
 
     def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None:
         """Eager no-sync microbatches' gradients (by parameter index), for a compiled
         forward to pass to its backward as inputs; clears them."""
-        return self._eager.take_accumulated_grads()
+        return self._eager_state.take_accumulated_grads()
 
     def pre_backward(self) -> list[torch.Tensor]:
         """Eager: the parameters, re-gathered once for this group's backward (by the
         first saved tensor its backward unpacks), then prefetches per the group's order."""
-        if self._eager.unsharded_for_backward is None:
+        if self._eager_state.unsharded_for_backward is None:
             self._unshard_for_backward()
-        return self._eager.unsharded_for_backward
+        return self._eager_state.unsharded_for_backward
 
     def param_in_backward(self, owner: nn.Module, name: str) -> torch.Tensor:
         """What ``owner.<name>`` reads while a backward runs and the group's parameters
@@ -543,61 +443,18 @@ class ParamGroup:
                 "set_unshard_in_backward(False) was called on its module: set it back "
                 "to True (False is only for modules whose backward needs no parameters)"
             )
-        if comm.use_traced_path():
-            # Compiled autograd traces the unpack hook of an eager forward's token (see
-            # [Note: per-module compile]). One storage per parameter, as eager's: an
-            # outlined block backward takes them as inputs, which may not alias.
-            self._eager.keep_for_backward(self._traced_regather_for_backward())
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            return
-        versions = self.params.local_versions()
-        kept = self._eager.forward_unsharded(versions)
-        if kept is not None:  # a group that keeps its forward parameters for backward
-            self._eager.keep_for_backward(kept)
-        else:
-            pending = self._take_prefetched(versions)
-            if pending is None:
-                pending = self.start_all_gather()
-            self._eager.keep_for_backward(self.finish_all_gather(pending))
-        if in_backward():
-            # Also frees them for a group without trainable parameters, whose
-            # backward never reaches post_backward.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        # Prefetch only once this group's all-gather buffer is freed: the peak then
-        # holds one in-flight buffer, not two.
-        if self.settings.prefetch_backward is not None:
-            self.settings.prefetch_backward()
+        self._path().gather_for_backward()
 
-    def _traced_regather_for_backward(self) -> list[torch.Tensor]:
-        """Traced by compiled autograd after an eager forward: from the piece that
-        forward kept with ``reshard_after_forward=N`` (over the rank's ``N`` ranks, as
-        the eager backward), else over the shard group. Each parameter in a buffer of
-        its own: the copy-out gives one per parameter in compiled autograd's graph
-        (``fresh_outputs_needed`` in :mod:`..collectives.ops`), so no copy per parameter
-        is traced for the plain bucket; what an all-gather extension's post hook or the
-        kept storage return is copied."""
-        kept, _ = self._eager.take_piece()
-        mesh = self.settings.post_forward_mesh
-        if kept is not None and mesh is not None and kept.hook_inputs is None:
-            return mesh.traced_regathered(kept)
-        # An all-gather extension's post-all-gather hook needs its metadata from a
-        # pre-all-gather call of this trace: gathered again over the shard group.
-        pending = group_all_gather.start_all_gather(
-            self.params, [p._local_tensor for p in self.params.sharded_params],
-            streams=None, all_gather_comm=self.settings.all_gather_comm)
-        unsharded = self.finish_all_gather(pending)
-        if pending.hook_inputs is not None or self.settings.keep_unsharded_storage:
-            return [t.clone() for t in unsharded]
-        return unsharded
-
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
+        """The end of the backward pass the group gathered its parameters for: frees
+        them with ``reshard_after_backward``."""
         if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
             log.debug("group %s after backward: %s", self.log_name,
                       "reshard" if self.settings.reshard_after_backward
                       else "keep the unsharded parameters for the next forward")
         if self.settings.reshard_after_backward:
             with phase("reshard", self.name):
-                self._eager.drop_for_backward()
+                self._eager_state.drop_for_backward()
 
     @labelled("post_backward")
     def post_backward(
@@ -625,33 +482,22 @@ class ParamGroup:
         # take_partial_reduce_output change nothing), and the settings that keep
         # gradients across backward calls (no gradient sync, HSDP without its
         # all-reduce) raise under a traced backward (gradient_reduction).
-        if not comm.use_traced_path():  # see [Note: backward finalization]
-            self._root_state.finalization.note_backward()
-        self._eager.end_backward(self.settings.reshard_after_backward)
+        path = self._path()
+        path.begin_post_backward()
+        self._eager_state.end_backward(self.settings.reshard_after_backward)
         if not accumulated:
-            accumulated = self._eager.take_accumulated_grads()
+            accumulated = self._eager_state.take_accumulated_grads()
         grads = gradients_to_reduce(self.params, self.settings, unsharded_grads, accumulated)
         sharded_grads: list[torch.Tensor | None] = [None] * len(self.params.sharded_params)
         if not self.settings.requires_gradient_sync:
-            self._eager.keep_accumulated_grads(grads)
+            self._eager_state.keep_accumulated_grads(grads)
             return sharded_grads
         if not grads:
             return sharded_grads
         indices = sorted(grads)
         pending = start_reduce(self.params, self.settings, grads, indices,
-                               self._eager.take_partial_reduce_output(), name=self.name)
-        if not comm.use_traced_path():
-            # Eager, as FSDP2: the reduce-scatter runs while autograd computes the next
-            # groups' gradients; the gradients reach .grad when it is finished (by the
-            # next group's reduction or at the end of backward), not through autograd.
-            self._root_state.reduce_queue.put(
-                pending, GradientTarget(self.params.sharded_params, indices,
-                                        self._eager.keep_partial_reduce_output))
-            return sharded_grads
-        result = finish_foreach_reduce(pending)
-        for i, grad in zip(indices, result.sharded_grads):
-            sharded_grads[i] = grad
-        return sharded_grads
+                               self._eager_state.take_partial_reduce_output(), name=self.name)
+        return path.finish_reduce(pending, indices, sharded_grads)
 
     # -- backward finalization (see [Note: backward finalization]) ------------------------
 
@@ -663,12 +509,12 @@ class ParamGroup:
     @property
     def has_accumulated_grads(self) -> bool:
         """Whether eager no-sync backwards left unsharded gradients to reduce."""
-        return self._eager.has_accumulated_grads
+        return self._eager_state.has_accumulated_grads
 
     @property
     def has_partial_reduce_output(self) -> bool:
         """HSDP: whether backwards without the all-reduce left reduce-scatter output."""
-        return self._eager.has_partial_reduce_output
+        return self._eager_state.has_partial_reduce_output
 
     @property
     def holds_unsharded(self) -> bool:
@@ -677,11 +523,11 @@ class ParamGroup:
         resharded yet, or kept past a backward (``reshard_after_forward=False``,
         ``reshard_after_backward=False``); not the piece ``reshard_after_forward=N`` keeps."""
         return (self._state is not GroupState.SHARDED or self.params.is_bound
-                or self._eager.holds_unsharded)
+                or self._eager_state.holds_unsharded)
 
     def drop_kept_storage(self) -> None:
         """Frees the storage ``set_keep_unsharded_storage(True)`` kept."""
-        self._eager.kept_storage.drop()
+        self._eager_state.kept_storage.drop()
 
     def post_backward_outside_backward(self) -> None:
         """Eager, outside a backward pass: FSDP2's ``FSDPParamGroup.post_backward()``, which
@@ -693,22 +539,16 @@ class ParamGroup:
         parameters kept for backward are freed. A group with nothing accumulated reduces
         nothing, so a second call is a no-op.
         """
-        if self._eager.has_accumulated_grads and self.settings.requires_gradient_sync:
+        if self._eager_state.has_accumulated_grads and self.settings.requires_gradient_sync:
             self.post_backward((None,) * len(self.params.sharded_params))
         elif self.settings.reshard_after_backward:
-            self._eager.end_backward(reshard_after_backward=True)
+            self._eager_state.end_backward(reshard_after_backward=True)
 
     def hide_post_accumulate_hooks(self) -> None:
-        """Eager backward: autograd must not run the parameters' post-accumulate-grad
-        hooks; the reduction does (see [Note: post-accumulate-grad hooks in eager backward])."""
-        if post_accumulate_hooks.hide(self.params.sharded_params):
-            self._hooks_hidden = True
-
-    def restore_post_accumulate_hooks(self) -> None:
-        """Puts back what :meth:`hide_post_accumulate_hooks` took (none ran meanwhile)."""
-        self._hooks_hidden = False
-        for param in self.params.sharded_params:
-            post_accumulate_hooks.restore(param)
+        """After its backward: autograd must not run the parameters'
+        post-accumulate-grad hooks when an eager reduction does (see [Note:
+        post-accumulate-grad hooks in eager backward])."""
+        self._path().hide_post_accumulate_hooks()
 
     def finish_reductions(self) -> None:
         """Finishes the model's eager gradient reductions in flight (writing ``.grad``),

@@ -485,7 +485,7 @@ def embedding_own_group(rank: int, world_size: int) -> dict[str, Any]:
 
     def after_backward(model: nn.Module, micro: int, microbatches: int) -> None:
         in_flight_after_backward.append(
-            model.tok_embeddings._fsdp_group._eager.prefetched is not None)
+            model.tok_embeddings._fsdp_group.has_prefetch)
 
     results = {"theirs": train(theirs, rank, world_size, steps=3),
                "ours": train(ours, rank, world_size, steps=3, after_backward=after_backward)}
