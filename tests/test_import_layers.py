@@ -23,7 +23,7 @@ ROOT = Path(fsdp_traceable.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("config", "sizes", "tracing", "fx_ops", "_torch_patches", "profiler_labels",
      "_source_tree", "_command_line", "traced_errors", "whole_step.region_schedule",
-     "whole_step.cpu_isa_probe", "whole_step.inductor_options"),
+     "whole_step.cpu_isa_probe", "whole_step.inductor_options", "whole_step.graph_pass_key"),
     ("triton_kernels",),  # the top-level triton_kernels/ folder, imported under the package
     ("collectives", "whole_step.copy_regions"),
     ("backward_regions",),

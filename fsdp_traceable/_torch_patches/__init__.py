@@ -29,8 +29,8 @@ Inductor or Triton: each is applied by the package's own entry point that needs 
 * :func:`rewrite_aot_backwards`: on the first parameter group built
   (``backward_regions.install``, through ``fsdp/block_backward.py``).
 * :func:`trace_backward_into_subclasses`, :func:`complete_whole_step_recompute`: by
-  :func:`fsdp_traceable.compile_step`; the latter also by a ``fully_shard`` forward that
-  Dynamo traces with ``trace_autograd_ops`` on (``fsdp/traced_step_passes.py``), and it
+  :func:`fsdp_traceable.compile_step`, and by a ``fully_shard`` forward that Dynamo
+  traces with ``trace_autograd_ops`` on (``fsdp/traced_step_passes.py``); the latter
   acts on graphs holding the package's ops only.
 * :func:`answer_isa_load_checks`: by :func:`isa_load_checks_answered`, where a saved
   step's CPU ISA probe outcome is taken (``whole_step.cpu_isa_probe.trust_saved_probe``).

@@ -14,9 +14,14 @@ regions torch refuses the graph. So a module's forward, when Dynamo traces it wi
 ``trace_autograd_ops`` on, installs the pass at trace time (a constant-result call,
 which Dynamo runs while tracing, before AOTAutograd sees the graph); the pass acts on
 graphs holding the package's ops only. The step then computes what ``compile_step``'s
-computes (``compile_tests/test_whole_step.py``). The same call records the compile as
+computes (``compile_tests/test_whole_step.py``). The same call: records the compile as
 one of the package's, the scope of the region schema memo
-(``_torch_patches.memoize_region_schemas``).
+(``_torch_patches.memoize_region_schemas``); on torch 2.11, lets Dynamo trace
+``backward()`` into DTensor parameters (``_torch_patches.trace_backward_into_subclasses``,
+which ``backward()``, traced after the forward, looks up at its call: without it Dynamo
+failed with a bare ``AssertionError``); and keys the compile's AOTAutograd and Inductor
+caches by the passes, as ``compile_step`` keys them (see [Note: graph passes in the
+cache key] in ``whole_step/graph_pass_key.py``).
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import torch
 
 from .. import _torch_patches
 from ..tracing import constant_result
+from ..whole_step.graph_pass_key import key_this_compile_by_graph_passes
 
 
 @constant_result
 def _prepare_compile() -> bool:
     _torch_patches.mark_package_compile()
+    _torch_patches.trace_backward_into_subclasses()
+    key_this_compile_by_graph_passes()
     return _torch_patches.complete_whole_step_recompute()
 
 

@@ -31,6 +31,7 @@ import torch
 from .. import _torch_patches
 from .. import config as fsdp_config
 from ..tracing import forward_regions_enabled, regions_available
+from .graph_pass_key import keyed_by_graph_passes
 from .step_cache import PrecompiledStep, precompile_available
 from .traced_optimizer import TracedOptimizer
 
@@ -62,36 +63,6 @@ def _cacheable_functions() -> contextlib.AbstractContextManager:
     if not hasattr(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"):
         return contextlib.nullcontext()
     return torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True)
-
-
-# The package's passes over the graph AOTAutograd traces (``_torch_patches``'s wrap of
-# torch's recompute pass runs them): what they do is not in AOTAutograd's cache key,
-# which hashes Dynamo's graph, so a step compiled before a change to them would be
-# served from the cache unchanged.
-_GRAPH_PASS_FILES = (os.path.join("whole_step", "region_schedule.py"), "fx_ops.py",
-                     os.path.join("_torch_patches", "whole_step_recompute.py"))
-
-
-@functools.cache
-def _graph_passes_hash() -> str:
-    from torch._inductor.custom_graph_pass import get_hash_for_files
-
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = tuple(os.path.join(package, name) for name in _GRAPH_PASS_FILES)
-    return get_hash_for_files(paths).hex()[:16]
-
-
-def _keyed_by_graph_passes() -> contextlib.AbstractContextManager:
-    """Torch's compile caches (AOTAutograd's and Inductor's, through
-    ``torch.compiler.config.cache_key_tag``, which both hash) keyed by the package's
-    graph passes too, with the user's own tag kept."""
-    config = torch.compiler.config
-    if not hasattr(config, "cache_key_tag"):
-        return contextlib.nullcontext()
-    tag = f"fsdp_traceable-graph-passes-{_graph_passes_hash()}"
-    if config.cache_key_tag:
-        tag = f"{config.cache_key_tag}/{tag}"
-    return config.patch(cache_key_tag=tag)
 
 
 @contextlib.contextmanager
@@ -257,7 +228,7 @@ def compile_step(
         stack = contextlib.ExitStack()
         stack.enter_context(torch._dynamo.config.patch(_dynamo_settings()))
         stack.enter_context(_cacheable_functions())
-        stack.enter_context(_keyed_by_graph_passes())
+        stack.enter_context(keyed_by_graph_passes())
         stack.enter_context(_region_errors_name_the_switch())
         return stack
 

@@ -84,13 +84,20 @@ def test_torch_still_refuses_a_whole_step_with_two_resharded_groups(monkeypatch)
 
 def _recorded_passes(monkeypatch) -> list[fx.GraphModule]:
     """The graphs the package's completion of torch's pass acts on, from now on, with
-    the pass unwrapped first (as in a process where compile_step never ran)."""
+    the pass (and on torch 2.11 the wrap of Dynamo's ``backward()`` handler) unwrapped
+    first, as in a process where compile_step never ran."""
     from fsdp_traceable._torch_patches import whole_step_recompute
 
     _torch_patches.complete_whole_step_recompute()
     module = importlib.import_module(_torch_patches.REMAT_PASS_MODULE)
     monkeypatch.setattr(module, "remat_using_tags_for_fwd_loss_bwd_graph",
                         module.remat_using_tags_for_fwd_loss_bwd_graph.__wrapped__)
+    if _torch_patches.subclass_patch_needed():
+        from torch._dynamo.variables import torch as torch_variables
+
+        collect = torch_variables._collect_tensors_with_sources
+        monkeypatch.setattr(torch_variables, "_collect_tensors_with_sources",
+                            getattr(collect, "__wrapped__", collect))
     acted_on: list[fx.GraphModule] = []
     mark = whole_step_recompute.mark_backward_spans
 
@@ -102,22 +109,54 @@ def _recorded_passes(monkeypatch) -> list[fx.GraphModule]:
     return acted_on
 
 
+class _TagRecorder:
+    """``aot_eager`` that records ``torch.compiler.config.cache_key_tag`` where
+    AOTAutograd computes its cache key (the backend's call) and where Inductor would
+    compute its own (the inference compiler's)."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.tags: list[tuple[str, str]] = []
+        self._aot = aot_autograd(fw_compiler=self._compiler, inference_compiler=self._compiler)
+
+    def _compiler(self, gm: fx.GraphModule, example_inputs: object) -> fx.GraphModule:
+        self.tags[-1] = (self.tags[-1][0], torch.compiler.config.cache_key_tag)
+        return gm
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: object) -> object:
+        self.tags.append((torch.compiler.config.cache_key_tag, ""))
+        return self._aot(gm, example_inputs)
+
+
 @pytest.mark.skipif(not dynamo_traces_backward_into_dtensors(),
                     reason="this torch's Dynamo cannot trace backward()")
 def test_plain_whole_step_compile_completes_the_pass_for_our_graphs_only(monkeypatch) -> None:
     # torch.compile of a whole step under trace_autograd_ops, not compile_step: the
     # fully_shard forwards put the pass in place while Dynamo traces them (without
-    # forward regions torch alone refuses this graph: the test above); a user's own
-    # whole step in the same process then gets torch's pass unchanged.
+    # forward regions torch alone refuses this graph: the test above), on torch 2.11
+    # with Dynamo's backward() taking DTensors (torch alone fails with a bare
+    # AssertionError), and key the compile's caches by the passes as compile_step does
+    # (see [Note: graph passes in the cache key]); a user's own whole step in the same
+    # process then gets torch's pass unchanged, and the user's tag.
+    from fsdp_traceable.whole_step.graph_pass_key import keyed_by_graph_passes
+
     acted_on = _recorded_passes(monkeypatch)
+    backend = _TagRecorder()
     tokens = torch.zeros(2, 8, dtype=torch.long)
     with (fake_process_group(2), torch._dynamo.config.patch(trace_autograd_ops=True),
           torch._functorch.config.patch(enable_autograd_cache=False),
+          torch.compiler.config.patch(cache_key_tag="users-tag"),
           fsdp_traceable.config.patch(forward_regions=False)):
+        with keyed_by_graph_passes():
+            compile_steps_tag = torch.compiler.config.cache_key_tag
         model, step = _sharded_whole_step()
-        torch.compile(step, backend="aot_eager", fullgraph=True)(tokens)
+        torch.compile(step, backend=backend, fullgraph=True)(tokens)
         assert len(acted_on) == 1
         assert all(p.grad is not None for p in model.parameters())
+        assert backend.tags == [(compile_steps_tag, compile_steps_tag)]
+        assert compile_steps_tag.startswith("users-tag/fsdp_traceable-graph-passes-")
+        assert torch.compiler.config.cache_key_tag == "users-tag"  # after the compile
 
         users = torch.nn.Linear(4, 4)
         reference = torch.nn.Linear(4, 4)
@@ -127,7 +166,8 @@ def test_plain_whole_step_compile_completes_the_pass_for_our_graphs_only(monkeyp
         def users_step(x: torch.Tensor) -> None:
             users(x).square().sum().backward()
 
-        torch.compile(users_step, backend="aot_eager", fullgraph=True)(x)
+        torch.compile(users_step, backend=backend, fullgraph=True)(x)
         reference(x).square().sum().backward()
+        assert backend.tags[1:] == [("users-tag", "users-tag")]
     assert len(acted_on) == 1  # not the user's graph
     assert torch.equal(users.weight.grad, reference.weight.grad)
