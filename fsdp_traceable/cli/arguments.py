@@ -170,6 +170,10 @@ class PlanArgs:
     world_size: int = 8
     tp: int = 1
     pp: int = 1
+    microbatches: int = 0
+    schedule: str = "1f1b"
+    dp_replicate: int = 1
+    offload: bool = False
     param_dtype: str = "bf16"
     reduce_dtype: str = "fp32"
     reshard_after_forward: str = "true"
@@ -196,12 +200,26 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "a Hugging Face config.json path or model name known offline, "
                              "or module:function returning an nn.Module")
     parser.add_argument("--world-size", type=int, default=defaults.world_size,
-                        help="ranks in all (data parallel x --tp); none are started")
+                        help="ranks in all (data parallel x --tp x --pp x --dp-replicate); "
+                             "none are started")
     parser.add_argument("--tp", type=int, default=defaults.tp,
                         help="tensor-parallel degree: a (dp, tp) mesh as train and torchtitan "
                              "build it, fully_shard on dp")
     parser.add_argument("--pp", type=int, default=defaults.pp,
-                        help="pipeline-parallel degree (only 1: not supported by plan yet)")
+                        help="pipeline stages (the model's own split; the report is per "
+                             "stage, the one with the highest peak in full)")
+    parser.add_argument("--microbatches", type=int, default=defaults.microbatches,
+                        help="with --pp: microbatches per step (default: --pp); "
+                             "--batch-size must divide into them")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default=defaults.schedule,
+                        help="with --pp: torch.distributed.pipelining's Schedule1F1B or "
+                             "ScheduleGPipe")
+    parser.add_argument("--dp-replicate", type=int, default=defaults.dp_replicate,
+                        help="HSDP: replicas of a (replicate, shard) mesh; gradients are "
+                             "all-reduced across them")
+    parser.add_argument("--offload", action="store_true",
+                        help="CPUOffloadPolicy: sharded parameters, gradients and optimizer "
+                             "state on the host")
     parser.add_argument("--param-dtype", choices=["fp32", "bf16"], default=defaults.param_dtype,
                         help="MixedPrecisionPolicy.param_dtype: the unsharded parameters' and "
                              "compute's dtype (sharded parameters stay fp32)")

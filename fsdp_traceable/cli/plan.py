@@ -21,15 +21,17 @@ def plan_args_from(namespace: argparse.Namespace) -> PlanArgs:
     """The parsed flags, checked."""
     fields = PlanArgs.__dataclass_fields__
     args = PlanArgs(**{k: v for k, v in vars(namespace).items() if k in fields})
-    if args.pp != 1:
-        raise NotImplementedError("--pp: pipeline parallelism is not supported by plan yet; "
-                                  "plan one stage's blocks as a model with --pp 1")
-    if args.tp < 1 or args.world_size % args.tp:
-        raise ValueError(f"--tp {args.tp} must be at least 1 and divide --world-size "
-                         f"{args.world_size}")
-    for name in ("batch_size", "seq_len", "world_size"):
+    for name in ("batch_size", "seq_len", "world_size", "tp", "pp", "dp_replicate"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.world_size % (args.tp * args.pp * args.dp_replicate):
+        raise ValueError(f"--tp {args.tp} x --pp {args.pp} x --dp-replicate "
+                         f"{args.dp_replicate} must divide --world-size {args.world_size}")
+    microbatches = args.microbatches or args.pp
+    if args.pp > 1 and args.batch_size % microbatches:
+        raise ValueError(f"--batch-size {args.batch_size} (sequences per data-parallel rank) "
+                         f"must divide into --microbatches {microbatches}: pass "
+                         f"--batch-size {microbatches} or a multiple")
     return args
 
 
@@ -40,7 +42,9 @@ def plan_for(args: PlanArgs) -> Plan:
     settings = ShardSettings(tp=args.tp, param_dtype=args.param_dtype,
                              reduce_dtype=args.reduce_dtype,
                              reshard_after_forward=args.reshard_after_forward == "true",
-                             ac=args.ac)
+                             ac=args.ac, pp=args.pp, microbatches=args.microbatches,
+                             schedule=args.schedule, dp_replicate=args.dp_replicate,
+                             offload=args.offload)
     workload = Workload(batch_size=args.batch_size, seq_len=args.seq_len,
                         optimizer=args.optimizer)
     return make_plan(source, args.world_size, settings, workload, full_trace=args.full_trace)
@@ -51,7 +55,14 @@ def setup_of(args: PlanArgs) -> dict:
     keys = ("model", "world_size", "tp", "param_dtype", "reduce_dtype",
             "reshard_after_forward", "ac", "batch_size", "seq_len", "optimizer")
     setup = {k: v for k, v in asdict(args).items() if k in keys}
-    setup["dp"] = args.world_size // args.tp
+    setup["dp"] = args.world_size // (args.tp * args.pp * args.dp_replicate)
+    if args.dp_replicate > 1:
+        setup["dp_replicate"] = args.dp_replicate
+    if args.pp > 1:
+        setup.update(pp=args.pp, schedule=args.schedule,
+                     microbatches=args.microbatches or args.pp)
+    if args.offload:
+        setup["offload"] = "cpu"
     return setup
 
 

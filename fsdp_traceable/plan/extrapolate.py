@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .models import ModelSource, ShardSettings
-from .recorder import CATEGORIES
+from .recorder import ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, OPTIMIZER_TEMP, PARAMS
 from .trace import StepTrace, Workload, trace_step
 
 __all__ = ["PHASES", "Plan", "make_plan"]
@@ -29,6 +29,8 @@ __all__ = ["PHASES", "Plan", "make_plan"]
 PHASES = ("forward", "backward", "optimizer")
 TRACED_DEPTH = 3
 _BLOCK_INDEX = re.compile(r"(^|\.)\d+(?=\.|$)")
+# Under CPU offload these live on the host (the optimizer steps there too).
+HOST_CATEGORIES = frozenset({PARAMS, GRADIENTS, OPTIMIZER, OPTIMIZER_TEMP})
 
 
 @dataclass
@@ -64,6 +66,17 @@ class Plan:
     # The deepest traced step's memory over time and phase starts, for a plot.
     timeline: list[int] = field(default_factory=list)
     phase_starts: list[tuple[int, str]] = field(default_factory=list)
+    # Pipeline parallel: this stage's index, and every traced stage's plan (this one
+    # among them), first to last; see [Note: plan pipeline stages].
+    stage_index: int | None = None
+    stage_blocks: list[int] = field(default_factory=list)  # every stage's, first to last
+    pipeline: tuple[int, int, str] | None = None  # (stages, microbatches, schedule)
+    world_size: int = 1
+    most_activations: int = 0  # the most activations alive at once (microbatches in flight)
+    stages: list[Plan] = field(default_factory=list, repr=False, compare=False)
+    # CPU offload: the sharded parameters, gradients and optimizer state (and the
+    # optimizer step) live on the host; the peaks count the device only.
+    offload: bool = False
 
     @property
     def peak_bytes(self) -> int:
@@ -75,15 +88,23 @@ def block_group(name: str) -> str:
     return _BLOCK_INDEX.sub(lambda m: f"{m.group(1)}*", name)
 
 
-def _quantities(trace: StepTrace) -> dict[tuple, int]:
+def _quantities(trace: StepTrace, offload: bool = False) -> dict[tuple, int]:
     """Everything a plan reports of one trace, flat, for extrapolation."""
     recorder = trace.recorder
     flat: dict[tuple, int] = {
         ("params",): trace.params_bytes, ("optimizer",): trace.optimizer_bytes,
         ("gradients",): trace.gradient_bytes, ("flops",): trace.flops,
         ("baseline",): trace.baseline_bytes,
+        ("most_activations",): recorder.most_alive(ACTIVATIONS),
     }
-    for phase in PHASES:
+    if offload:
+        device = recorder.peaks_without(set(HOST_CATEGORIES))
+        for phase in PHASES:
+            peak, alive = device.get(phase, (0, {}))
+            flat[("phase_peak", phase)] = peak
+            for category, nbytes in alive.items():
+                flat[("at_peak", phase, category)] = nbytes
+    for phase in PHASES * (not offload):
         flat[("phase_peak", phase)] = recorder.phase_peaks.get(phase, 0)
         for category, nbytes in recorder.alive_at_peak(phase).items():
             flat[("at_peak", phase, category)] = nbytes
@@ -96,7 +117,8 @@ def _quantities(trace: StepTrace) -> dict[tuple, int]:
     return flat
 
 
-def _plan_from(flat: dict[tuple, int], depth: int, traced: StepTrace) -> Plan:
+def _plan_from(flat: dict[tuple, int], depth: int, traced: StepTrace,
+               offload: bool = False) -> Plan:
     phase_peaks = {phase: flat.get(("phase_peak", phase), 0) for phase in PHASES}
     peak_phase = max(PHASES, key=lambda p: phase_peaks[p])
     at_peak = {c: flat.get(("at_peak", peak_phase, c), 0) for c in CATEGORIES}
@@ -108,24 +130,27 @@ def _plan_from(flat: dict[tuple, int], depth: int, traced: StepTrace) -> Plan:
     return Plan(depth, depths, flat[("params",)], flat[("optimizer",)], flat[("gradients",)],
                 phase_peaks, {c: n for c, n in at_peak.items() if n}, peak_phase,
                 dict(sorted(collectives.items())), flat[("flops",)], flat[("baseline",)],
-                traced.recorder.timeline(), traced.recorder.phase_starts)
+                traced.recorder.timeline(HOST_CATEGORIES if offload else frozenset()),
+                traced.recorder.phase_starts, offload=offload,
+                most_activations=flat[("most_activations",)])
 
 
-def extrapolate(shallow: StepTrace, deeper: StepTrace, depth: int) -> Plan:
+def extrapolate(shallow: StepTrace, deeper: StepTrace, depth: int,
+                offload: bool = False) -> Plan:
     """The plan at ``depth`` blocks from traces one block apart (see
     [Note: plan extrapolation])."""
     if deeper.depth != shallow.depth + 1:
         raise ValueError(f"traces at depths {shallow.depth} and {deeper.depth}: extrapolation "
                          "needs two depths one block apart")
-    low, high = _quantities(shallow), _quantities(deeper)
+    low, high = _quantities(shallow, offload), _quantities(deeper, offload)
     flat = {key: high.get(key, 0) + (depth - deeper.depth) * (high.get(key, 0) - low.get(key, 0))
             for key in low.keys() | high.keys()}
-    return _plan_from(flat, depth, deeper)
+    return _plan_from(flat, depth, deeper, offload)
 
 
-def plan_of(trace: StepTrace) -> Plan:
+def plan_of(trace: StepTrace, offload: bool = False) -> Plan:
     """The plan of one full-depth trace."""
-    return _plan_from(_quantities(trace), trace.depth, trace)
+    return _plan_from(_quantities(trace, offload), trace.depth, trace, offload)
 
 
 def make_plan(source: ModelSource, world_size: int, settings: ShardSettings,
@@ -134,16 +159,45 @@ def make_plan(source: ModelSource, world_size: int, settings: ShardSettings,
 
     Args:
         source: the model.
-        world_size: ranks in all (data parallel times ``settings.tp``).
+        world_size: ranks in all (data parallel (x replicas) x ``settings.tp`` x
+            ``settings.pp``).
         settings: the parallelism set-up.
         workload: batch, sequence length, optimizer.
         full_trace: trace every block instead of extrapolating from 2 and 3.
 
     Returns:
-        The plan of rank 0 (every rank alike).
+        The plan of rank 0 (every rank alike); with ``settings.pp > 1``, the plan of the
+        stage with the highest peak, every traced stage's in its ``stages``.
     """
-    if full_trace or not source.extrapolable or source.depth <= TRACED_DEPTH:
-        return plan_of(trace_step(source, source.depth, world_size, settings, workload))
-    shallow = trace_step(source, TRACED_DEPTH - 1, world_size, settings, workload)
-    deeper = trace_step(source, TRACED_DEPTH, world_size, settings, workload)
-    return extrapolate(shallow, deeper, source.depth)
+    if settings.pp == 1:
+        return _plan_at(source, source.depth, world_size, settings, workload, full_trace)
+    if source.stage_blocks is None:
+        raise NotImplementedError(f"--pp: {source.name} has no pipeline split here; plan "
+                                  "--model transformer or llama3-* with --pp")
+    blocks = source.stage_blocks(settings.pp)
+    traced = sorted({0, min(1, settings.pp - 1), settings.pp - 1})
+    stages = [_plan_at(source, blocks[index], world_size, settings, workload, full_trace,
+                       index) for index in traced]
+    for plan in stages:
+        plan.stages = stages
+    return max(stages, key=lambda plan: plan.peak_bytes)
+
+
+def _plan_at(source: ModelSource, depth: int, world_size: int, settings: ShardSettings,
+             workload: Workload, full_trace: bool, stage_index: int | None = None) -> Plan:
+    """The plan of the model (or of one pipeline stage) with ``depth`` blocks."""
+    def trace(blocks: int) -> StepTrace:
+        return trace_step(source, blocks, world_size, settings, workload, stage_index)
+
+    # A pipeline stage's backward peak moves to its final place from 3 blocks on (with
+    # 2, the first microbatch's backward peaks elsewhere): stages trace 3 and 4.
+    deepest = TRACED_DEPTH if stage_index is None else TRACED_DEPTH + 1
+    if full_trace or not source.extrapolable or depth <= deepest:
+        plan = plan_of(trace(depth), settings.offload)
+    else:
+        plan = extrapolate(trace(deepest - 1), trace(deepest), depth, settings.offload)
+    plan.world_size = world_size
+    if stage_index is not None:
+        plan.stage_index, plan.stage_blocks = stage_index, source.stage_blocks(settings.pp)
+        plan.pipeline = (settings.pp, settings.n_microbatches, settings.schedule)
+    return plan

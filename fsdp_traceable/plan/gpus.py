@@ -5,7 +5,11 @@ at the GPU's dense bf16 peak; a collective on ``n`` ranks moves ``(n - 1) / n`` 
 buffer per rank (ring all-gather / reduce-scatter; twice that for an all-reduce) over
 NVLink when its ranks fit one 8-GPU node, else over the node's network (one NIC per
 GPU); ``fully_shard``'s collectives overlap the compute (exposed: what exceeds it),
-tensor-parallel ones sit on the compute's critical path (all exposed).
+tensor-parallel ones sit on the compute's critical path (all exposed). With ``P``
+pipeline stages and ``M`` microbatches the slowest stage's compute is stretched by the
+schedule's bubble, ``(M + P - 1) / M`` (1F1B and GPipe alike), and its sends to the
+next stage move over the network when a stage spans a node or more (over NVLink
+otherwise), overlapped with the compute like ``fully_shard``'s collectives.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ GPUS = {
 
 def collective_seconds(gpu: Gpu, kind: str, nbytes: int, ranks: int) -> float:
     """Ring time of one collective of an ``nbytes`` buffer on ``ranks`` ranks."""
+    if kind == "recv":  # the sender's transfer, counted there
+        return 0.0
+    if kind == "send":  # ``ranks``: how far apart the stages' ranks are
+        bandwidth = gpu.nvlink_bandwidth if ranks < GPUS_PER_NODE else gpu.network_bandwidth
+        return nbytes / bandwidth
     if ranks <= 1:
         return 0.0
     bandwidth = gpu.nvlink_bandwidth if ranks <= GPUS_PER_NODE else gpu.network_bandwidth

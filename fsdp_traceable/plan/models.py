@@ -35,11 +35,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..fsdp import fully_shard
-from ..models.transformer import Transformer, TransformerConfig, parallelize_transformer
+from ..models.transformer import (
+    Transformer,
+    TransformerConfig,
+    TransformerStage,
+    parallelize_transformer,
+)
 
 __all__ = ["LLAMA3_FLAVOURS", "ModelSource", "ShardSettings", "model_source"]
 
@@ -56,11 +61,34 @@ class ShardSettings:
     reduce_dtype: str = "fp32"
     reshard_after_forward: bool = True
     ac: str = "none"  # "none", "full" or "selective"
+    pp: int = 1  # pipeline stages, one per pipeline rank
+    microbatches: int = 0  # per step and data-parallel rank; 0: ``pp``
+    schedule: str = "1f1b"  # "1f1b" or "gpipe"
+    dp_replicate: int = 1  # HSDP: replicas of the (replicate, shard) mesh
+    offload: bool = False  # CPUOffloadPolicy: sharded state on the host
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=_DTYPES[self.param_dtype],
                                     reduce_dtype=_DTYPES[self.reduce_dtype])
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or self.pp
+
+    def fsdp_kwargs(self, dp_mesh: DeviceMesh) -> dict[str, Any]:
+        """``fully_shard``'s arguments for a block (the root: without
+        ``reshard_after_forward``, which it keeps at its default)."""
+        kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": self.mp_policy}
+        if self.offload:
+            kwargs["offload_policy"] = host_offload()
+        return kwargs
+
+
+def host_offload() -> CPUOffloadPolicy:
+    """``CPUOffloadPolicy`` as a plan can apply it: pinned memory needs an accelerator,
+    and pinning changes no byte a plan counts."""
+    return CPUOffloadPolicy(pin_memory=False)
 
 
 @dataclass
@@ -78,6 +106,14 @@ class ModelSource:
         extrapolable: whether the blocks are identical (a shallow trace stands for all).
         step_context: the context forward and backward run in (torchtitan's
             ``loss_parallel`` for a vocabulary-sharded output).
+        stage_blocks: ``stage_blocks(pp)``: blocks of each pipeline stage at the real
+            depth, as the model's pipeline split assigns them; ``None``: no ``--pp``.
+        build_stage: ``build_stage(depth, first, last)``: one pipeline stage with
+            ``depth`` blocks, the embeddings if ``first``, the norm and output if
+            ``last``, on the meta device.
+        stage_loss: ``stage_loss(output, targets)``: the last stage's loss per microbatch.
+        hidden: ``hidden(microbatch, seq_len, settings)``: what one stage sends the next
+            (an example, made in the fake mode).
     """
 
     name: str
@@ -88,6 +124,10 @@ class ModelSource:
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     extrapolable: bool = True
     step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    stage_blocks: Callable[[int], list[int]] | None = None
+    build_stage: Callable[[int, bool, bool], nn.Module] | None = None
+    stage_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    hidden: Callable[[int, int, ShardSettings], torch.Tensor] | None = None
 
 
 def model_source(model: str, *, layers: int = 4, dim: int = 128, heads: int = 4,
@@ -115,11 +155,20 @@ def model_source(model: str, *, layers: int = 4, dim: int = 128, heads: int = 4,
 # -- shared recipe pieces ---------------------------------------------------------------
 
 
-def _dp_tp_meshes(world_size: int, tp: int) -> tuple[DeviceMesh, DeviceMesh | None]:
-    if tp == 1:
-        return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)), None
-    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    return mesh["dp"], mesh["tp"]
+def plan_meshes(world_size: int, settings: ShardSettings) -> dict[str, DeviceMesh]:
+    """The ``(pp, dp_replicate, dp, tp)`` mesh over every rank (dimensions of size 1
+    left out), as ``train`` and torchtitan order it: ``"dp"`` is the mesh
+    ``fully_shard`` takes (2-D ``(dp_replicate, dp)`` for HSDP), ``"pp"`` and ``"tp"``
+    are there when used."""
+    dp = world_size // (settings.tp * settings.pp * settings.dp_replicate)
+    sizes = {"pp": settings.pp, "dp_replicate": settings.dp_replicate, "dp": dp,
+             "tp": settings.tp}
+    names = tuple(n for n, size in sizes.items() if size > 1 or n == "dp")
+    mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
+    meshes = {n: mesh[n] for n in names if n != "dp_replicate"}
+    if settings.dp_replicate > 1:
+        meshes["dp"] = mesh["dp_replicate", "dp"]
+    return meshes
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -147,17 +196,17 @@ def _checkpointed(block: nn.Module, ac: str) -> nn.Module:
 
 def _shard_blocks(model: nn.Module, blocks: nn.ModuleList, world_size: int,
                   settings: ShardSettings) -> nn.Module:
-    if settings.tp > 1:
+    if settings.tp > 1 or settings.pp > 1:
         raise NotImplementedError(
-            "--tp > 1 is supported by plan for --model transformer and llama3-* only: "
-            "this model has no tensor-parallel plan here")
-    dp_mesh, _ = _dp_tp_meshes(world_size, 1)
+            "--tp > 1 and --pp > 1 are supported by plan for --model transformer and "
+            "llama3-* only: this model has no tensor-parallel plan or pipeline split here")
+    dp_mesh = plan_meshes(world_size, settings)["dp"]
     for index, block in enumerate(blocks):
         blocks[index] = _checkpointed(block, settings.ac)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=settings.mp_policy,
+        fully_shard(block, **settings.fsdp_kwargs(dp_mesh),
                     reshard_after_forward=settings.reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=settings.mp_policy)  # the root keeps its own
+    fully_shard(model, **settings.fsdp_kwargs(dp_mesh))  # the root keeps its own
     return model
 
 
@@ -174,21 +223,41 @@ def _builtin(config: TransformerConfig) -> ModelSource:
             return Transformer(TransformerConfig(**{**config.__dict__, "n_layers": depth}))
 
     def parallelize(model: nn.Module, world_size: int, settings: ShardSettings) -> nn.Module:
-        dp_mesh, tp_mesh = _dp_tp_meshes(world_size, settings.tp)
-        if tp_mesh is not None:
-            parallelize_transformer(model, tp_mesh)
+        meshes = plan_meshes(world_size, settings)
+        if "tp" in meshes:
+            parallelize_transformer(model, meshes["tp"])
         for index, block in enumerate(model.layers):
             model.layers[index] = _checkpointed(block, settings.ac)
         for block in model.layers:
-            fully_shard(block, mesh=dp_mesh, mp_policy=settings.mp_policy,
+            fully_shard(block, **settings.fsdp_kwargs(meshes["dp"]),
                         reshard_after_forward=settings.reshard_after_forward)
         # The root keeps fully_shard's default (it does not reshard after forward).
-        fully_shard(model, mesh=dp_mesh, mp_policy=settings.mp_policy)
+        fully_shard(model, **settings.fsdp_kwargs(meshes["dp"]))
         return model
+
+    def stage_blocks(pp: int) -> list[int]:
+        # TransformerStage's split (train --pp): as even as it goes, earlier stages first.
+        per_stage, extra = divmod(config.n_layers, pp)
+        return [per_stage + (index < extra) for index in range(pp)]
+
+    def build_stage(depth: int, first: bool, last: bool) -> nn.Module:
+        stage = TransformerStage(build(depth), 0, 1)  # every block; then drop the ends
+        stage.is_first, stage.is_last = first, last
+        if not first:
+            stage.tok_embeddings = stage.pos_embeddings = None
+        if not last:
+            stage.norm = stage.output = None
+        return stage
+
+    def hidden(microbatch: int, seq_len: int, settings: ShardSettings) -> torch.Tensor:
+        return torch.empty(microbatch, seq_len, config.dim, dtype=_DTYPES[settings.param_dtype],
+                           requires_grad=True)
 
     return ModelSource(f"transformer (dim {config.dim}, {config.n_layers} blocks)",
                        config.n_layers, config.vocab_size, build, parallelize,
-                       lambda model, tokens, targets: model.loss(tokens, targets))
+                       lambda model, tokens, targets: model.loss(tokens, targets),
+                       stage_blocks=stage_blocks, build_stage=build_stage,
+                       stage_loss=_cross_entropy, hidden=hidden)
 
 
 def _llama3(flavour: str, seq_len: int) -> ModelSource:
@@ -224,20 +293,25 @@ def _llama3(flavour: str, seq_len: int) -> ModelSource:
         from torchtitan.models.llama3 import parallelize_llama
 
         parallelism = ParallelismConfig(
-            data_parallel_shard_degree=world_size // settings.tp,
-            tensor_parallel_degree=settings.tp, spmd_backend="partial_dtensor",
+            data_parallel_shard_degree=world_size // (settings.tp * settings.pp
+                                                      * settings.dp_replicate),
+            data_parallel_replicate_degree=settings.dp_replicate,
+            tensor_parallel_degree=settings.tp, pipeline_parallel_degree=settings.pp,
+            spmd_backend="partial_dtensor",
             fsdp_reshard_after_forward="always" if settings.reshard_after_forward else "never")
         names = {"fp32": "float32", "bf16": "bfloat16"}
         if settings.reduce_dtype != "fp32":
             raise ValueError("--model llama3-*: torchtitan reduces gradients in fp32 only; "
                              "pass --reduce-dtype fp32")
         training = TrainingConfig(mixed_precision_param=names[settings.param_dtype],
-                                  mixed_precision_reduce="float32")
+                                  mixed_precision_reduce="float32",
+                                  enable_cpu_offload=settings.offload)
         with mock.patch.object(titan_parallel_dims, "device_type", "cpu"):
             parallel_dims = ParallelDims.from_config(parallelism, world_size)
             parallel_dims.build_mesh()
         ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}
-        with mock.patch.object(titan_fsdp, "fully_shard", fully_shard):
+        with mock.patch.object(titan_fsdp, "fully_shard", fully_shard), \
+                mock.patch.object(titan_fsdp, "CPUOffloadPolicy", host_offload):
             return parallelize_llama(model, parallel_dims=parallel_dims, training=training,
                                      parallelism=parallelism,
                                      compile_config=CompileConfig(enable=False),
@@ -251,8 +325,29 @@ def _llama3(flavour: str, seq_len: int) -> ModelSource:
     # vocabulary, and the loss (forward and backward) runs on the shards.
     from torch.distributed.tensor.parallel import loss_parallel
 
+    def stage_blocks(pp: int) -> list[int]:
+        from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+        # torchtitan's split (pipeline_llm's default: the embedding and the norm and
+        # output each weigh as one block).
+        names = _generate_llm_fqn_per_model_part(pp, len(base.layers))
+        return [sum(n.startswith("layers.") for n in stage) for stage in names]
+
+    def build_stage(depth: int, first: bool, last: bool) -> nn.Module:
+        from torchtitan.distributed.pipeline_parallel import _split_module
+
+        names = [f"layers.{i}" for i in range(depth)]
+        names = ["tok_embeddings"] * first + names + ["norm", "lm_head"] * last
+        return _split_module(build(depth), names)
+
+    def hidden(microbatch: int, seq_len: int, settings: ShardSettings) -> torch.Tensor:
+        return torch.empty(microbatch, seq_len, base.dim, dtype=_DTYPES[settings.param_dtype],
+                           requires_grad=True)
+
     return ModelSource(f"Llama 3 {flavour} (torchtitan)", len(base.layers), base.vocab_size,
-                       build, parallelize, loss, step_context=loss_parallel)
+                       build, parallelize, loss, step_context=loss_parallel,
+                       stage_blocks=stage_blocks, build_stage=build_stage,
+                       stage_loss=_cross_entropy, hidden=hidden)
 
 
 def _hugging_face(name: str) -> ModelSource:

@@ -63,7 +63,10 @@ _COLLECTIVES = {
     "_c10d_functional.all_gather_into_tensor": "all-gather",
     "_c10d_functional.reduce_scatter_tensor": "reduce-scatter",
     "_c10d_functional.all_reduce": "all-reduce",
+    # Pipeline parallel's point-to-point transfers between stages.
+    "c10d.send": "send", "c10d.recv_": "recv",
 }
+PIPELINE = "pipeline (send/recv)"
 # The package's files whose frames mark who allocates (see [Note: plan memory categories]).
 _GATHER_FILES = ("fsdp_traceable/fsdp/group_all_gather.py",
                  "fsdp_traceable/collectives/all_gather.py")
@@ -88,11 +91,12 @@ class Collective:
     """One collective the step issued.
 
     Attributes:
-        kind: ``"all-gather"``, ``"reduce-scatter"`` or ``"all-reduce"``.
-        group: the ``fully_shard`` group (its module's path, ``""`` the root) or
-            ``"tensor parallel (compute)"``.
+        kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, or a pipeline's
+            ``"send"`` / ``"recv"``.
+        group: the ``fully_shard`` group (its module's path, ``""`` the root),
+            ``"tensor parallel (compute)"`` or ``"pipeline (send/recv)"``.
         nbytes: the unsharded buffer: an all-gather's output, a reduce-scatter's input,
-            an all-reduce's tensor.
+            an all-reduce's tensor, a send's or receive's tensor.
         ranks: the size of the process group it ran on.
         phase: the step's phase when it was issued.
     """
@@ -122,6 +126,7 @@ class StepRecorder(TorchDispatchMode):
     _live: dict[int, tuple[weakref.ref, Allocation]] = field(default_factory=dict)
     # (+1 or -1, allocation) in order, to rebuild what was alive at any peak.
     _events: list[tuple[int, Allocation]] = field(default_factory=list)
+    _event_phases: list[str] = field(default_factory=list)  # the phase of each event
     _peak_event: int = 0
     phase_peaks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     _phase_peak_events: dict[str, int] = field(default_factory=dict)
@@ -174,11 +179,50 @@ class StepRecorder(TorchDispatchMode):
                 alive.pop(id(allocation), None)
         return list(alive.values())
 
-    def timeline(self) -> list[int]:
-        """Bytes alive after each allocation and free, in order."""
+    def peaks_without(self, left_out: set[str]) -> dict[str, tuple[int, Counter]]:
+        """Each phase's peak, and the bytes by category alive at it, counting no
+        allocation whose (final) category is in ``left_out``: what stays on the device
+        when those live on the host (CPU offload)."""
+        current, peaks, ends = 0, {}, {}
+        for index, (sign, allocation) in enumerate(self._events):
+            if allocation.category in left_out:
+                continue
+            current += sign * allocation.nbytes
+            phase = self._event_phases[index]
+            if sign > 0 and current > peaks.get(phase, 0):
+                peaks[phase], ends[phase] = current, index + 1
+        result = {}
+        for phase, end in ends.items():
+            alive: dict[int, Allocation] = {}
+            for sign, allocation in self._events[:end]:
+                if allocation.category in left_out:
+                    continue
+                if sign > 0:
+                    alive[id(allocation)] = allocation
+                else:
+                    alive.pop(id(allocation), None)
+            by_category: Counter = Counter()
+            for allocation in alive.values():
+                by_category[allocation.category] += allocation.nbytes
+            result[phase] = (peaks[phase], by_category)
+        return result
+
+    def most_alive(self, category: str) -> int:
+        """The most bytes of ``category`` alive at once during the step."""
+        current = most = 0
+        for sign, allocation in self._events:
+            if allocation.category == category:
+                current += sign * allocation.nbytes
+                most = max(most, current)
+        return most
+
+    def timeline(self, left_out: frozenset[str] = frozenset()) -> list[int]:
+        """Bytes alive after each allocation and free, in order (``left_out``'s
+        categories not counted)."""
         current, points = 0, []
         for sign, allocation in self._events:
-            current += sign * allocation.nbytes
+            if allocation.category not in left_out:
+                current += sign * allocation.nbytes
             points.append(current)
         return points
 
@@ -192,6 +236,7 @@ class StepRecorder(TorchDispatchMode):
             self._live[key] = (weakref.ref(storage, self._freed_callback(key, allocation)),
                                allocation)
             self._events.append((1, allocation))
+            self._event_phases.append(self._phase)
             self.current += allocation.nbytes
             if self.current > self.peak:
                 self.peak, self._peak_event = self.current, len(self._events)
@@ -205,6 +250,7 @@ class StepRecorder(TorchDispatchMode):
             if entry is not None and entry[1] is allocation:
                 del self._live[key]
                 self._events.append((-1, allocation))
+                self._event_phases.append(self._phase)
                 self.current -= allocation.nbytes
         return freed
 
@@ -226,8 +272,9 @@ class StepRecorder(TorchDispatchMode):
         kind = _COLLECTIVES[name]
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         nbytes = max(t.numel() * t.element_size() for t in tensors)
-        self.collectives.append(Collective(kind, _issuing_group(), nbytes,
-                                           _group_size(args, kwargs), self._phase))
+        group = PIPELINE if kind in ("send", "recv") else _issuing_group()
+        self.collectives.append(Collective(kind, group, nbytes, _group_size(args, kwargs),
+                                           self._phase))
 
     def observe(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict,
                 out: object) -> None:

@@ -19,17 +19,20 @@ after the first.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .models import ModelSource, ShardSettings
+from .models import ModelSource, ShardSettings, plan_meshes
 from .recorder import GRADIENTS, OPTIMIZER, PARAMS, PERSISTENT, RecordingFakeMode, StepRecorder
 
 __all__ = ["StepTrace", "fake_world", "trace_step"]
+
+# ``step(tokens, targets, recorder)``: one step's forward and backward.
+ForwardBackward = Callable[[torch.Tensor, torch.Tensor, "StepRecorder | None"], None]
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,12 @@ class StepTrace:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """Rank 0 of ``world_size`` ranks on torch's fake process group (no data moves)."""
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Rank ``rank`` of ``world_size`` ranks on torch's fake process group (no data
+    moves)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -98,18 +102,26 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor)]
 
 
-def run_step(model: nn.Module, source: ModelSource, optimizer: torch.optim.Optimizer,
+def forward_backward(model: nn.Module, source: ModelSource) -> ForwardBackward:
+    """The step's forward and ``loss.backward()`` on the whole model."""
+    def run(tokens: torch.Tensor, targets: torch.Tensor, recorder: StepRecorder | None) -> None:
+        phase = recorder.phase if recorder is not None else lambda _: contextlib.nullcontext()
+        with source.step_context():
+            with phase("forward"):
+                loss = source.loss(model, tokens, targets)
+            with phase("backward"):
+                loss.backward()
+            del loss
+    return run
+
+
+def run_step(model: nn.Module, step: ForwardBackward, optimizer: torch.optim.Optimizer,
              tokens: torch.Tensor, targets: torch.Tensor,
              recorder: StepRecorder | None = None) -> int:
     """One step; with a ``recorder``, recorded phase by phase. Returns the sharded
     gradients' bytes after backward."""
     phase = recorder.phase if recorder is not None else lambda _: contextlib.nullcontext()
-    with source.step_context():
-        with phase("forward"):
-            loss = source.loss(model, tokens, targets)
-        with phase("backward"):
-            loss.backward()
-        del loss
+    step(tokens, targets, recorder)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if recorder is not None:
         recorder.relabel(grads, GRADIENTS)
@@ -122,23 +134,33 @@ def run_step(model: nn.Module, source: ModelSource, optimizer: torch.optim.Optim
 
 
 def trace_step(source: ModelSource, depth: int, world_size: int, settings: ShardSettings,
-               workload: Workload) -> StepTrace:
+               workload: Workload, stage_index: int | None = None) -> StepTrace:
     """Builds ``source`` with ``depth`` blocks on ``world_size`` fake ranks, parallelizes
     it, and records its second training step on fake tensors.
 
     Args:
         source: the model.
-        depth: blocks to build.
-        world_size: ranks (data parallel x tensor parallel).
+        depth: blocks to build (of the stage, with ``stage_index``).
+        world_size: ranks (data parallel x tensor parallel x pipeline stages).
         settings: the parallelism set-up.
         workload: batch, sequence length and optimizer.
+        stage_index: with ``settings.pp > 1``, the pipeline stage to trace (see
+            [Note: plan pipeline stages]).
 
     Returns:
-        The recorded step of rank 0.
+        The recorded step of rank 0 (of the stage's first rank).
     """
-    with fake_world(world_size):
-        model = source.build(depth)
+    from .pipeline import PipelineRunner, stage_rank
+
+    pipelined = stage_index is not None
+    rank = stage_rank(stage_index, world_size, settings.pp) if pipelined else 0
+    with fake_world(world_size, rank):
+        if pipelined:
+            model = source.build_stage(depth, stage_index == 0, stage_index == settings.pp - 1)
+        else:
+            model = source.build(depth)
         model = source.parallelize(model, world_size, settings)
+        pp_group = plan_meshes(world_size, settings)["pp"].get_group() if pipelined else None
         fake_mode = RecordingFakeMode(allow_non_fake_inputs=True)
         with fake_mode:
             model.to_empty(device="cpu")
@@ -146,7 +168,10 @@ def trace_step(source: ModelSource, depth: int, world_size: int, settings: Shard
             shape = (workload.batch_size, workload.seq_len)
             tokens = torch.randint(0, source.vocab_size, shape)
             targets = torch.randint(0, source.vocab_size, shape)
-            run_step(model, source, optimizer, tokens, targets)  # creates optimizer state
+            step = (PipelineRunner(model, source, stage_index, pp_group, settings,
+                                   workload.batch_size, workload.seq_len)
+                    if pipelined else forward_backward(model, source))
+            run_step(model, step, optimizer, tokens, targets)  # creates optimizer state
             recorder = StepRecorder()
             recorder.adopt(model.parameters(), PARAMS)
             recorder.adopt(_optimizer_tensors(optimizer), OPTIMIZER)
@@ -155,7 +180,7 @@ def trace_step(source: ModelSource, depth: int, world_size: int, settings: Shard
             baseline_bytes = recorder.current
             fake_mode.recorder = recorder
             try:
-                gradient_bytes = run_step(model, source, optimizer, tokens, targets, recorder)
+                gradient_bytes = run_step(model, step, optimizer, tokens, targets, recorder)
             finally:
                 fake_mode.recorder = None
         params_bytes = _storage_bytes(model.parameters())
