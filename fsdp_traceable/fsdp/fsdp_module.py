@@ -24,6 +24,7 @@ from . import backward_finalization, block_backward, forward_regions, traced_ste
 from .backward_finalization import GradientReductionHandle
 from .features import module_compile
 from .features.module_compile import COMPILED_COMPUTE
+from .forward_hooks import ForwardScope
 from .module_state import FSDPModuleState, state_of
 from .param_group import ParamGroup
 from .setting_checks import (
@@ -516,41 +517,44 @@ class FSDPModule(TorchFSDPModule):
         group = self._fsdp_group
         hooks = self.__dict__["_fsdp_inner_hooks"]
         traced_step_passes.prepare_traced_step()
-        # Traced (the module inside a larger compiled graph), the compiled compute is
-        # traced over as the plain one.
-        compiled_compute = (None if comm.use_traced_path()
-                            else self.__dict__.get(COMPILED_COMPUTE))
-        # See [Note: forward regions]: a region binds the parameters itself. Not inside
-        # a checkpointed region (see [Note: activation checkpointing]).
-        region_possible = (compiled_compute is None
-                           and not group.settings.inside_checkpoint_wrapper
-                           and INSTANCE_FORWARD not in self.__dict__
-                           and not hooks.pre and not hooks.post
-                           and forward_regions.forward_regions_in_use()
-                           and group.region_eligible)
-        args, kwargs, scope = group.pre_forward(self, args, kwargs, bind=not region_possible)
+        args, kwargs, scope = group.pre_forward(self, args, kwargs)
         try:
-            region_call = None
-            if region_possible and scope.unsharded is not None:
-                region_call = forward_regions.call_key(self, scope.unsharded, args, kwargs)
-            if compiled_compute is not None:
-                output = block_backward.call_compiled_compute(compiled_compute, args, kwargs)
-            elif region_call is not None:
-                if scope.bound:
-                    group.params.unbind()
-                    scope = scope._replace(bound=False)
+            # Traced (the module inside a larger compiled graph), the compiled compute is
+            # traced over as the plain one.
+            compiled_compute = (None if comm.use_traced_path()
+                                else self.__dict__.get(COMPILED_COMPUTE))
+            region_call = self._fsdp_region_call(compiled_compute, scope, args, kwargs)
+            if region_call is not None:
+                scope = group.unbind_forward(scope)
                 output = _forward_region(region_call, self)
             else:
-                if not scope.bound:
-                    group.params.bind(scope.unsharded)
-                    scope = scope._replace(bound=True)
-                output = self._fsdp_compute(*args, **kwargs)
+                scope = group.bind_forward(scope)
+                if compiled_compute is not None:
+                    output = block_backward.call_compiled_compute(compiled_compute, args, kwargs)
+                else:
+                    output = self._fsdp_compute(*args, **kwargs)
         except BaseException:
             group.abort_forward(scope)
             if hooks.post_always:
                 hooks.run_always_called(self, args, kwargs)
             raise
         return group.post_forward(self, scope, output)
+
+    def _fsdp_region_call(self, compiled_compute: Callable[..., Any] | None,
+                          scope: ForwardScope, args: tuple, kwargs: dict
+                          ) -> tuple[int, tuple[torch.Tensor, ...]] | None:
+        """The forward region this call runs as (see [Note: forward regions]), or
+        ``None``: the one place that decides between a region, which binds the
+        parameters itself, and the forward over the bound parameters."""
+        if compiled_compute is not None or scope.unsharded is None:
+            return None
+        group = self._fsdp_group
+        hooks = self.__dict__["_fsdp_inner_hooks"]
+        if (group.settings.inside_checkpoint_wrapper  # see [Note: activation checkpointing]
+                or INSTANCE_FORWARD in self.__dict__ or hooks.pre or hooks.post
+                or not forward_regions.forward_regions_in_use() or not group.region_eligible):
+            return None
+        return forward_regions.call_key(self, scope.unsharded, args, kwargs)
 
     # -- helpers ------------------------------------------------------------------------
 

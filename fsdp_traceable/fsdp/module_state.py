@@ -172,8 +172,9 @@ class FSDPModuleState:
     # -- torch's register_fsdp_forward_method ---------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs, scope = module._fsdp_group.pre_forward(module, args, kwargs)
-        self._scopes.append(scope)
+        group = module._fsdp_group
+        args, kwargs, scope = group.pre_forward(module, args, kwargs)
+        self._scopes.append(group.bind_forward(scope))
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:

@@ -292,35 +292,34 @@ class ParamGroup:
     # -- forward ------------------------------------------------------------------------
 
     @labelled("pre_forward")
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict, *, bind: bool = True
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                     ) -> tuple[tuple, dict, ForwardScope]:
-        """Casts the inputs and binds the group's unsharded parameters to its modules.
+        """Casts the inputs and gathers the group's unsharded parameters.
 
-        The first forward of a pass gathers (or takes what :meth:`unshard` gathered); a
-        forward that runs while the parameters are bound (a registered forward method
-        calling ``forward``, or the second module of a ``fully_shard([a, b])`` group)
-        reuses them.
+        The first forward of a pass gathers (or takes what :meth:`unshard` gathered and
+        bound); a forward that runs while the parameters are bound (a registered forward
+        method calling ``forward``, or the second module of a ``fully_shard([a, b])``
+        group) reuses them. Parameters it gathers are not bound yet: the caller binds
+        them (:meth:`bind_forward`) or runs a forward region, which binds its own.
 
         Args:
             module: the group's module whose forward starts.
             args: its positional arguments.
             kwargs: its keyword arguments.
-            bind: whether to bind parameters it gathers (``False``: the caller binds
-                them, or runs a forward region, which binds its own).
 
         Returns:
             The (cast) arguments and what :meth:`post_forward` releases.
         """
         if not self.settings.is_root:
-            return self._start_forward(module, args, kwargs, bind)
+            return self._start_forward(module, args, kwargs)
         self._root_state.root_forwards += 1
         try:
-            return self._start_forward(module, args, kwargs, bind)
+            return self._start_forward(module, args, kwargs)
         except BaseException:
             self._root_state.root_forwards -= 1
             raise
 
-    def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict, bind: bool
+    def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict
                        ) -> tuple[tuple, dict, ForwardScope]:
         path = self._path()
         path.begin_forward()
@@ -342,15 +341,35 @@ class ParamGroup:
         else:
             reshard = self.settings.reshard_after_forward and torch.is_grad_enabled()
             unsharded = path.gather_for_forward(reshard)
-            if bind:
-                self.params.bind(unsharded)
-            else:
-                bound = False
+            bound = False
         if shared:
             self._set_state(GroupState.LIST_FORWARD, unsharded)
             self._modules_to_run = {id(m) for m in self.modules}
         path.after_forward_gather(module, unsharded)
         return args, kwargs, ForwardScope(unsharded, path.saved_tensor_hooks(), bound)
+
+    def bind_forward(self, scope: ForwardScope) -> ForwardScope:
+        """Binds the parameters :meth:`pre_forward` gathered (if not bound yet): the
+        forward reads them through its modules' attributes.
+
+        Returns:
+            ``scope``, bound.
+        """
+        if scope.bound:
+            return scope
+        self.params.bind(scope.unsharded)
+        return scope._replace(bound=True)
+
+    def unbind_forward(self, scope: ForwardScope) -> ForwardScope:
+        """Unbinds them (if bound), for a forward region, which binds its own.
+
+        Returns:
+            ``scope``, unbound.
+        """
+        if not scope.bound:
+            return scope
+        self.params.unbind()
+        return scope._replace(bound=False)
 
     @labelled("post_forward")
     def post_forward(self, module: nn.Module, scope: ForwardScope, output: Any) -> Any:
