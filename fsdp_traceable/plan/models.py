@@ -265,6 +265,7 @@ def _llama3(flavour: str, seq_len: int) -> ModelSource:
     from torchtitan.models.llama3 import llama3_configs
 
     base = llama3_configs[flavour](attn_backend="flex")
+    meshes: dict[str, DeviceMesh] = {}  # the last parallelized model's (a stage's inputs)
 
     def config_at(depth: int) -> Any:
         config = llama3_configs[flavour](attn_backend="flex")
@@ -309,6 +310,8 @@ def _llama3(flavour: str, seq_len: int) -> ModelSource:
         with mock.patch.object(titan_parallel_dims, "device_type", "cpu"):
             parallel_dims = ParallelDims.from_config(parallelism, world_size)
             parallel_dims.build_mesh()
+        if settings.tp > 1:
+            meshes["tp"] = parallel_dims.get_mesh("tp")
         ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}
         with mock.patch.object(titan_fsdp, "fully_shard", fully_shard), \
                 mock.patch.object(titan_fsdp, "CPUOffloadPolicy", host_offload):
@@ -341,8 +344,15 @@ def _llama3(flavour: str, seq_len: int) -> ModelSource:
         return _split_module(build(depth), names)
 
     def hidden(microbatch: int, seq_len: int, settings: ShardSettings) -> torch.Tensor:
-        return torch.empty(microbatch, seq_len, base.dim, dtype=_DTYPES[settings.param_dtype],
-                           requires_grad=True)
+        dtype = _DTYPES[settings.param_dtype]
+        if settings.tp == 1:
+            return torch.empty(microbatch, seq_len, base.dim, dtype=dtype, requires_grad=True)
+        # Sequence parallel: between blocks (and stages) the sequence is sharded on tp.
+        from torch.distributed.tensor import DTensor, Shard
+
+        local = torch.empty(microbatch, seq_len // settings.tp, base.dim, dtype=dtype,
+                            requires_grad=True)
+        return DTensor.from_local(local, meshes["tp"], [Shard(1)], run_check=False)
 
     return ModelSource(f"Llama 3 {flavour} (torchtitan)", len(base.layers), base.vocab_size,
                        build, parallelize, loss, step_context=loss_parallel,

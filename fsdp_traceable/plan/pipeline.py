@@ -94,8 +94,12 @@ class PipelineRunner:
         inputs = torch.zeros(micro, seq_len, dtype=torch.long) if self.first else hidden
         outputs = (torch.empty(micro, seq_len, source.vocab_size, requires_grad=True)
                    if self.last else hidden)
+        # With DTensor activations (tensor parallel) static metadata needs the gradients'
+        # too: each the same as its tensor; the tokens and the loss have none.
         self.stage = PipelineStage(model, stage_index, pp, torch.device("cpu"),
                                    input_args=inputs, output_args=outputs,
+                                   input_grads=(None,) if self.first else hidden,
+                                   output_grads=None if self.last else hidden,
                                    group=pp_group)
         self.schedule = SCHEDULES[settings.schedule](
             self.stage, n_microbatches=microbatches, loss_fn=source.stage_loss)

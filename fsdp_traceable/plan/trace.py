@@ -79,6 +79,19 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_sharding()
+
+
+def _forget_sharding() -> None:
+    """Clears DTensor's sharding-propagation caches: their entries hold the meshes of
+    the world just destroyed, which compare equal to the next world's meshes (same
+    shape and names), so a later trace on another rank would be handed a mesh whose
+    process groups no longer exist."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # torch without it: nothing cached across worlds to clear
+        return
+    _clear_sharding_prop_cache()
 
 
 def make_optimizer(name: str, params: Iterator[nn.Parameter], lr: float) -> torch.optim.Optimizer:
