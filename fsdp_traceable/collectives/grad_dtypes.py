@@ -24,7 +24,27 @@ replicated norm weight's ``Partial``) runs in that dtype too (:func:`tp_grad_dty
 :func:`keeps_wider_grads` reads both FSDP2's ``unsharded_grad_dtype`` and autograd's
 ``FunctionCtx.set_output_grad_dtype``, through which the unsharded parameters (outputs
 of ``UnshardParams``, and the TP DTensors around them) pass such gradients uncast
-(:func:`output_grad_dtypes`). Compiled, gradients keep their outputs' dtypes.
+(:func:`output_grad_dtypes`).
+
+Compiled, autograd still rounds such a gradient to the compute dtype (measured on
+torch 2.15.0): the package cannot prevent it without changing torch. The rounding is the
+engine's cast of a gradient to the grad dtype of the output it flows into, done before
+``UnshardParams``' backward runs, so the traced backward (the reduce-scatter's
+copy-in, which casts to the reduce dtype) receives the rounded bf16 value and cannot
+recover the lost bits. Under compile, that grad dtype cannot be declared: Dynamo traces
+the Function into torch's ``autograd_function_apply`` higher-order op; the context it
+traces the forward with cannot take ``set_output_grad_dtype`` (calling it fails with
+"'FunctionCtx' object has no attribute 'output_grad_dtypes'"; assigning that attribute
+is traced and dropped), and whose runtime ``ApplyTemplate``, the ``autograd.Function``
+AOTAutograd traces the joint graph through, declares only dirty and non-differentiable
+outputs. So AOTAutograd's backward graph holds ``_to_copy(grad, bfloat16)`` at that
+edge, then the copy-in's cast back to float32. Keeping the gradient wide compiled takes
+torch carrying the declared dtypes from Dynamo's ctx into the op's kwargs and
+``ApplyTemplate.setup_context`` (two patches of torch's internals, not made), or a
+graph pass dropping that round trip in every graph (AOTAutograd's forward-loss-backward
+graph, compiled autograd's), which ``aot_eager`` would not run and which would have to
+tell autograd's cast from a user's own.
+``tests/collectives/test_grad_dtypes.py`` checks torch still cannot declare it.
 """
 
 from __future__ import annotations
