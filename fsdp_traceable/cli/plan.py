@@ -5,13 +5,13 @@ world size, traced on one CPU with fake tensors and a fake process group
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from dataclasses import asdict
 
 from ..plan.extrapolate import Plan, make_plan
 from ..plan.models import ShardSettings, model_source
-from ..plan.report import GIB, format_plan, plan_json
+from ..plan.plot import require_matplotlib, write_plot
+from ..plan.report import format_plan, plan_json
 from ..plan.trace import Workload
 from .arguments import PlanArgs
 from .progress import say
@@ -66,37 +66,11 @@ def setup_of(args: PlanArgs) -> dict:
     return setup
 
 
-def _require_matplotlib() -> None:
-    if importlib.util.find_spec("matplotlib") is None:
-        raise RuntimeError("--plot needs matplotlib, which is not installed: pip install "
-                           "matplotlib, or leave out --plot")
-
-
-def write_plot(plan: Plan, path: str, title: str) -> None:
-    """The deepest traced step's memory over its allocations, phases marked."""
-    _require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(8, 4))
-    axes.plot([b / GIB for b in plan.timeline])
-    for index, phase in plan.phase_starts:
-        axes.axvline(index, color="grey", linestyle=":")
-        axes.text(index, 0, f" {phase}", rotation=90, va="bottom")
-    axes.set_xlabel("allocation or free")
-    axes.set_ylabel("GiB alive on rank 0")
-    axes.set_title(f"{title} ({plan.traced_depths[-1]} blocks traced)")
-    figure.tight_layout()
-    figure.savefig(path)
-
-
 def run_plan_command(namespace: argparse.Namespace, started: float) -> int:
     """Runs ``plan`` and prints its table (or JSON)."""
     args = plan_args_from(namespace)
     if args.plot:
-        _require_matplotlib()  # before the trace, not after it
+        require_matplotlib()  # before the trace, not after it
     say("building the model on meta and tracing its step on fake tensors", started)
     plan = plan_for(args)
     setup = setup_of(args)

@@ -24,7 +24,7 @@ from .models import ModelSource, ShardSettings
 from .recorder import ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, OPTIMIZER_TEMP, PARAMS
 from .trace import StepTrace, Workload, trace_step
 
-__all__ = ["PHASES", "Plan", "make_plan"]
+__all__ = ["PHASES", "Plan", "make_plan", "stage_plan"]
 
 PHASES = ("forward", "backward", "optimizer")
 TRACED_DEPTH = 3
@@ -64,8 +64,9 @@ class Plan:
     flops: int = 0
     baseline_bytes: int = 0
     # The deepest traced step's memory over time and phase starts, for a plot.
-    timeline: list[int] = field(default_factory=list)
-    phase_starts: list[tuple[int, str]] = field(default_factory=list)
+    timeline: list[int] = field(default_factory=list, repr=False)
+    phase_starts: list[tuple[int, str]] = field(default_factory=list, repr=False)
+    timeline_phases: list[str] = field(default_factory=list, repr=False)  # each point's
     # Pipeline parallel: this stage's index, and every traced stage's plan (this one
     # among them), first to last; see [Note: plan pipeline stages].
     stage_index: int | None = None
@@ -131,7 +132,7 @@ def _plan_from(flat: dict[tuple, int], depth: int, traced: StepTrace,
                 phase_peaks, {c: n for c, n in at_peak.items() if n}, peak_phase,
                 dict(sorted(collectives.items())), flat[("flops",)], flat[("baseline",)],
                 traced.recorder.timeline(HOST_CATEGORIES if offload else frozenset()),
-                traced.recorder.phase_starts, offload=offload,
+                traced.recorder.phase_starts, traced.recorder.event_phases, offload=offload,
                 most_activations=flat[("most_activations",)])
 
 
@@ -174,13 +175,21 @@ def make_plan(source: ModelSource, world_size: int, settings: ShardSettings,
     if source.stage_blocks is None:
         raise NotImplementedError(f"--pp: {source.name} has no pipeline split here; plan "
                                   "--model transformer or llama3-* with --pp")
-    blocks = source.stage_blocks(settings.pp)
     traced = sorted({0, min(1, settings.pp - 1), settings.pp - 1})
-    stages = [_plan_at(source, blocks[index], world_size, settings, workload, full_trace,
-                       index) for index in traced]
+    stages = [stage_plan(source, index, world_size, settings, workload, full_trace=full_trace)
+              for index in traced]
     for plan in stages:
         plan.stages = stages
     return max(stages, key=lambda plan: plan.peak_bytes)
+
+
+def stage_plan(source: ModelSource, stage_index: int, world_size: int,
+               settings: ShardSettings, workload: Workload, *,
+               full_trace: bool = False) -> Plan:
+    """The plan of pipeline stage ``stage_index`` of ``settings.pp`` (see [Note: plan
+    pipeline stages] in :mod:`.pipeline`); arguments as :func:`make_plan`'s."""
+    depth = source.stage_blocks(settings.pp)[stage_index]
+    return _plan_at(source, depth, world_size, settings, workload, full_trace, stage_index)
 
 
 def _plan_at(source: ModelSource, depth: int, world_size: int, settings: ShardSettings,

@@ -124,8 +124,9 @@ class PipelineRunner:
         self.recorder = recorder
         phase = recorder.phase if recorder is not None else lambda _: contextlib.nullcontext()
         try:
-            # Sends and receives between chunks fall in "forward" (the step's start).
-            with _static_metadata(), self.source.step_context(), phase("forward"):
+            # Outside the chunks: sends, receives and, after the last backward chunk,
+            # the stage's gradient reduction; all of it belongs with backward.
+            with _static_metadata(), self.source.step_context(), phase("backward"):
                 if self.first:
                     self.schedule.step(tokens)
                 elif self.last:

@@ -207,6 +207,11 @@ class StepRecorder(TorchDispatchMode):
             result[phase] = (peaks[phase], by_category)
         return result
 
+    @property
+    def event_phases(self) -> list[str]:
+        """The phase of each point of :meth:`timeline`."""
+        return list(self._event_phases)
+
     def most_alive(self, category: str) -> int:
         """The most bytes of ``category`` alive at once during the step."""
         current = most = 0

@@ -142,3 +142,12 @@ def test_extrapolation_from_two_and_three_blocks_is_the_full_trace() -> None:
 def test_block_groups_are_named_with_a_star() -> None:
     assert [block_group(n) for n in ("layers.7", "model.layers.12", "norm", "(root)")] == [
         "layers.*", "model.layers.*", "norm", "(root)"]
+
+
+def test_plot_writes_the_traced_steps_memory(planned, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from fsdp_traceable.plan.plot import write_plot
+
+    path = tmp_path / "plan.png"
+    write_plot(planned, str(path), "transformer")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
