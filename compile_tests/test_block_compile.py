@@ -27,7 +27,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.utils import run_and_get_code
 
 import fsdp_traceable
-from fsdp_traceable.fsdp.features.module_compile import COMPILED_COMPUTE
+from fsdp_traceable.fsdp.module_state import entry_of
 from fsdp_traceable.introspection.inductor_code import overlap
 from fsdp_traceable.models.transformer import (
     Transformer,
@@ -148,7 +148,7 @@ def test_a_module_with_sharded_modules_below_compiles_whole(fake_world: None) ->
         if not compile_first:
             model.compile(backend="aot_eager", fullgraph=True)
         assert model._compiled_call_impl is not None
-        assert COMPILED_COMPUTE not in model.__dict__
+        assert entry_of(model).compiled_compute is None
 
 
 def _region_calls(gm: torch.fx.GraphModule) -> list[str]:

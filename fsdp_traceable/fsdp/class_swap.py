@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .features.module_compile import adopt_compiled_call
-from .fsdp_module import INSTANCE_FORWARD, FSDPModule
-from .module_hooks import InnerHooks
+from .fsdp_module import FSDPModule
+from .module_state import entry_of, is_sharded
 from .unsharded_binding import param_property, register_parameter
 
 # The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
@@ -41,12 +41,11 @@ def _deepcopy_unsupported(module: nn.Module, memo: dict) -> None:
 
 
 def swap_class(module: nn.Module, cls: type) -> None:
-    """Makes ``module`` an instance of ``cls`` (from :func:`fsdp_class` or ``owner_class``)."""
-    module.__dict__.setdefault("_fsdp_unsharded", {})
-    if issubclass(cls, FSDPModule):
-        module.__dict__["_fsdp_inner_hooks"] = InnerHooks(module)
-        if "forward" in module.__dict__:  # see [Note: instance forward]
-            module.__dict__[INSTANCE_FORWARD] = module.__dict__.pop("forward")
+    """Makes ``module`` an instance of ``cls`` (from :func:`fsdp_class` or ``owner_class``);
+    an ``FSDPModule``'s entry (``register_state``) is built already."""
+    module.__dict__.setdefault("_fsdp_unsharded", {})  # see [Note: a module's own entry]
     module.__class__ = cls
     if issubclass(cls, FSDPModule):
-        adopt_compiled_call(module)  # see [Note: per-module compile]
+        compiled = adopt_compiled_call(module, module._fsdp_compute, is_sharded)
+        if compiled is not None:  # see [Note: per-module compile]
+            entry_of(module).compiled_compute = compiled

@@ -23,9 +23,8 @@ from ..collectives import comm
 from . import backward_finalization, block_backward, forward_regions, traced_step_passes
 from .backward_finalization import GradientReductionHandle
 from .features import module_compile
-from .features.module_compile import COMPILED_COMPUTE
 from .forward_hooks import ForwardScope
-from .module_state import FSDPModuleState, state_of
+from .module_state import FSDPModuleState, entry_of, is_sharded, state_of
 from .param_group import ParamGroup
 from .setting_checks import (
     check_bool,
@@ -41,9 +40,6 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 log = logging.getLogger(__name__)
-
-# Where a forward set on the instance is kept. See [Note: instance forward].
-INSTANCE_FORWARD = "_fsdp_instance_forward"
 
 
 class FSDPModule(TorchFSDPModule):
@@ -450,7 +446,7 @@ class FSDPModule(TorchFSDPModule):
         See [Note: forward hook order]."""
         if prepend:
             return super().register_forward_pre_hook(hook, prepend=True, with_kwargs=with_kwargs)
-        return self.__dict__["_fsdp_inner_hooks"].add_pre(hook, with_kwargs)
+        return entry_of(self).inner_hooks.add_pre(hook, with_kwargs)
 
     def register_forward_hook(self, hook: Callable[..., Any], *, prepend: bool = False,
                               with_kwargs: bool = False, always_call: bool = False
@@ -460,25 +456,25 @@ class FSDPModule(TorchFSDPModule):
         if not prepend:
             return super().register_forward_hook(hook, with_kwargs=with_kwargs,
                                                  always_call=always_call)
-        return self.__dict__["_fsdp_inner_hooks"].add_post_first(hook, with_kwargs, always_call)
+        return entry_of(self).inner_hooks.add_post_first(hook, with_kwargs, always_call)
 
     # [Note: instance forward]
     # nn.Module.__call__ calls ``self.forward``, so a forward set on the instance shadows
     # the class's, where the group's forward work runs (FSDP2 works through hooks and is
     # not affected). torchtitan's ``Module.parallelize`` sets one on every module it
     # parallelizes, before fully_shard. Set before (moved at the class swap) or after
-    # (``__setattr__``), it is kept under ``INSTANCE_FORWARD`` and ``forward`` calls it
-    # where a plain module's would call the class's.
+    # (``__setattr__``), it is kept in the module's entry (see [Note: a module's own
+    # entry]) and ``forward`` calls it where a plain module's would call the class's.
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "forward":
-            self.__dict__[INSTANCE_FORWARD] = value
+            entry_of(self).instance_forward = value
         else:
             super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        if name == "forward" and INSTANCE_FORWARD in self.__dict__:
-            del self.__dict__[INSTANCE_FORWARD]
+        if name == "forward" and entry_of(self).instance_forward is not None:
+            entry_of(self).instance_forward = None
         else:
             super().__delattr__(name)
 
@@ -494,17 +490,18 @@ class FSDPModule(TorchFSDPModule):
             args: ``torch.compile``'s arguments (``fullgraph``, ``backend``, ``options``...).
             kwargs: the same, by keyword.
         """
-        if module_compile.compiles_compute_alone(self):
-            module_compile.compile_compute(self, *args, **kwargs)
+        if module_compile.compiles_compute_alone(self, is_sharded):
+            entry_of(self).compiled_compute = torch.compile(self._fsdp_compute, *args, **kwargs)
         else:
             super().compile(*args, **kwargs)
 
     def _fsdp_compute(self, *args: Any, **kwargs: Any) -> Any:
         """The forward between the group's unshard and reshard, its parameters bound."""
-        hooks = self.__dict__["_fsdp_inner_hooks"]
+        entry = entry_of(self)
+        hooks = entry.inner_hooks
         if hooks.pre:
             args, kwargs = hooks.run_pre(self, args, kwargs)
-        instance_forward = self.__dict__.get(INSTANCE_FORWARD)
+        instance_forward = entry.instance_forward
         if instance_forward is None:
             output = super().forward(*args, **kwargs)
         else:
@@ -515,14 +512,13 @@ class FSDPModule(TorchFSDPModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         group = self._fsdp_group
-        hooks = self.__dict__["_fsdp_inner_hooks"]
+        entry = entry_of(self)
         traced_step_passes.prepare_traced_step()
         args, kwargs, scope = group.pre_forward(self, args, kwargs)
         try:
             # Traced (the module inside a larger compiled graph), the compiled compute is
             # traced over as the plain one.
-            compiled_compute = (None if comm.use_traced_path()
-                                else self.__dict__.get(COMPILED_COMPUTE))
+            compiled_compute = None if comm.use_traced_path() else entry.compiled_compute
             region_call = self._fsdp_region_call(compiled_compute, scope, args, kwargs)
             if region_call is not None:
                 scope = group.unbind_forward(scope)
@@ -535,8 +531,8 @@ class FSDPModule(TorchFSDPModule):
                     output = self._fsdp_compute(*args, **kwargs)
         except BaseException:
             group.abort_forward(scope)
-            if hooks.post_always:
-                hooks.run_always_called(self, args, kwargs)
+            if entry.inner_hooks.post_always:
+                entry.inner_hooks.run_always_called(self, args, kwargs)
             raise
         return group.post_forward(self, scope, output)
 
@@ -548,10 +544,10 @@ class FSDPModule(TorchFSDPModule):
         parameters itself, and the forward over the bound parameters."""
         if compiled_compute is not None or scope.unsharded is None:
             return None
-        group = self._fsdp_group
-        hooks = self.__dict__["_fsdp_inner_hooks"]
+        group, entry = self._fsdp_group, entry_of(self)
+        hooks = entry.inner_hooks
         if (group.settings.inside_checkpoint_wrapper  # see [Note: activation checkpointing]
-                or INSTANCE_FORWARD in self.__dict__ or hooks.pre or hooks.post
+                or entry.instance_forward is not None or hooks.pre or hooks.post
                 or not forward_regions.forward_regions_in_use() or not group.region_eligible):
             return None
         return forward_regions.call_key(self, scope.unsharded, args, kwargs)

@@ -5,10 +5,12 @@ code and FSDP2's users read it.
 ``fully_shard`` builds one :class:`FSDPModuleState` per call (shared by the modules of
 a list), in one place, and stores it in the module's ``__dict__`` under torch's
 composable-API registry key (where torch's ``contract`` decorator stores FSDP2's), so
-``torch.distributed.fsdp.fully_shard.state`` finds it too. It holds what FSDP2's state
-holds: the call's parameter group (``FSDPModule._fsdp_group`` reads it here) and the
-groups its forward prefetches, the ``_lazy_init`` record and the scopes of the forward
-methods torch's ``register_fsdp_forward_method`` wraps; it holds its modules weakly.
+``torch.distributed.fsdp.fully_shard.state`` finds it too; each module gets its own
+:class:`ModuleEntry` (its forward's own parts, and the state) in the same place. It
+holds what FSDP2's state holds: the call's parameter group (``FSDPModule._fsdp_group``
+reads it here) and the groups its forward prefetches, the ``_lazy_init`` record and the
+scopes of the forward methods torch's ``register_fsdp_forward_method`` wraps; it holds
+its modules weakly.
 
 What it answers, with FSDP2's meaning: ``_pre_forward`` / ``_post_forward`` (around a
 registered forward method), ``_comm_ctx`` (``share_comm_ctx``), ``_is_root``,
@@ -42,12 +44,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from ..collectives import comm
+from .module_hooks import InnerHooks
 
 if TYPE_CHECKING:
     from .forward_hooks import ForwardScope
@@ -61,14 +65,55 @@ except ImportError:  # pragma: no cover - every supported torch has it
 _STATE_FUNC = getattr(torch_fully_shard, "__wrapped__", None)
 
 
-# Where the state lives when this torch has no composable-API registry.
+# Where each module's ModuleEntry lives (and so its state, also where this torch has no
+# composable-API registry).
 _OWN_KEY = "_fsdp_module_state"
+
+
+# [Note: a module's own entry]
+# FSDPModuleState is one per fully_shard call, shared by the modules of a list, as
+# FSDP2's FSDPState. What each module's forward needs of its own, its user's forward
+# hooks that run between the unshard and the reshard (module_hooks.InnerHooks), a
+# forward set on the instance ([Note: instance forward]) and its compiled compute
+# ([Note: per-module compile]), is one per module: it lives in the module's
+# ModuleEntry, which is also how the module reaches its state (state_of). The entry,
+# not the shared state, is what the module's __dict__ holds: FSDPModule.forward and
+# _fsdp_compute are traced by Dynamo as one code object for every module of a class,
+# so they must reach a module's own parts from ``self`` alone. A lookup by module in
+# the shared state would key on id(self), and Dynamo guards an id() on the module's
+# identity: every block would recompile the shared code (see [Note: per-module
+# compile]).
+# The binding of the unsharded parameters (``_fsdp_unsharded``, read by the
+# parameter properties of unsharded_binding, and ``_fsdp_holders``) stays on each
+# module that holds a parameter, which need not be a fully_shard-ed module and then
+# has no state: the property of its swapped-in class reads it from ``self`` on every
+# parameter read, forward and traced alike.
+
+
+class ModuleEntry:
+    """One ``fully_shard``-ed module's own part of its state (see [Note: a module's own
+    entry]).
+
+    Args:
+        state: its ``fully_shard`` call's state.
+        module: the module; its forward hook dicts move to :attr:`inner_hooks` and a
+            forward set on the instance to :attr:`instance_forward`.
+    """
+
+    def __init__(self, state: FSDPModuleState, module: nn.Module) -> None:
+        self.state = state
+        # The user's forward hooks that run between the unshard and the reshard.
+        self.inner_hooks = InnerHooks(module)
+        # A forward set on the instance: see [Note: instance forward].
+        self.instance_forward: Callable[..., Any] | None = module.__dict__.pop("forward", None)
+        # module.compile()'s compiled compute: see [Note: per-module compile].
+        self.compiled_compute: Callable[..., Any] | None = None
 
 
 def register_state(modules: list[nn.Module], group: ParamGroup) -> FSDPModuleState:
     """Builds the :class:`FSDPModuleState` of one ``fully_shard`` call (one for the
-    modules of a list) and stores it where ``fully_shard.state`` (ours and torch's)
-    finds it.
+    modules of a list) and each module's :class:`ModuleEntry`, and stores them where
+    ``fully_shard.state`` (ours and torch's) finds the state.
 
     Args:
         modules: the modules :func:`~fsdp_traceable.fully_shard` was applied to.
@@ -79,7 +124,7 @@ def register_state(modules: list[nn.Module], group: ParamGroup) -> FSDPModuleSta
     """
     state = FSDPModuleState(modules, group)
     for module in modules:
-        module.__dict__[_OWN_KEY] = state
+        module.__dict__[_OWN_KEY] = ModuleEntry(state, module)
         if _STATE_KEY is not None and _STATE_FUNC is not None:
             module.__dict__.setdefault(_STATE_KEY, {})[_STATE_FUNC] = state
     return state
@@ -88,7 +133,18 @@ def register_state(modules: list[nn.Module], group: ParamGroup) -> FSDPModuleSta
 def state_of(module: nn.Module) -> FSDPModuleState | None:
     """``fully_shard.state(module)``: the module's state, or ``None`` if ``fully_shard``
     was not applied to it."""
-    return module.__dict__.get(_OWN_KEY)
+    entry = module.__dict__.get(_OWN_KEY)
+    return None if entry is None else entry.state
+
+
+def entry_of(module: nn.Module) -> ModuleEntry:
+    """A ``fully_shard``-ed module's own entry (see [Note: a module's own entry])."""
+    return module.__dict__[_OWN_KEY]
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module``."""
+    return _OWN_KEY in module.__dict__
 
 
 @dataclasses.dataclass(frozen=True)

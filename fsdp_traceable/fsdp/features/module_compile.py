@@ -44,33 +44,32 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-# Where FSDPModule keeps its compiled compute.
-COMPILED_COMPUTE = "_fsdp_compiled_compute"
 
-
-def compiles_compute_alone(module: nn.Module) -> bool:
+def compiles_compute_alone(module: nn.Module, is_sharded: Callable[[nn.Module], bool]) -> bool:
     """Whether ``module.compile()`` compiles ``module``'s compute alone: no module
-    below it is ``fully_shard``-ed (see [Note: per-module compile])."""
-    return not any("_fsdp_inner_hooks" in m.__dict__ for m in module.modules() if m is not module)
+    below it is ``fully_shard``-ed (``is_sharded``; see [Note: per-module compile])."""
+    return not any(is_sharded(m) for m in module.modules() if m is not module)
 
 
-def compile_compute(module: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """Compiles ``module``'s compute with ``torch.compile(*args, **kwargs)``."""
-    module.__dict__[COMPILED_COMPUTE] = torch.compile(module._fsdp_compute, *args, **kwargs)
+def adopt_compiled_call(module: nn.Module, compute: Callable[..., Any],
+                        is_sharded: Callable[[nn.Module], bool]) -> Callable[..., Any] | None:
+    """If ``module`` was compiled by torch's ``Module.compile()``, its ``compute``
+    compiled alone with the same settings instead (torch's compiled call is dropped);
+    else ``None``, and the module is left as it was.
 
-
-def adopt_compiled_call(module: nn.Module) -> bool:
-    """If ``module`` was compiled by torch's ``Module.compile()``, compiles its compute
-    alone with the same settings instead; returns whether it did."""
+    Args:
+        module: the module ``fully_shard`` just made an ``FSDPModule``.
+        compute: its ``FSDPModule._fsdp_compute``.
+        is_sharded: whether a module is ``fully_shard``-ed.
+    """
     compiled_call = module.__dict__.get("_compiled_call_impl")
-    if compiled_call is None or not compiles_compute_alone(module):
-        return False
+    if compiled_call is None or not compiles_compute_alone(module, is_sharded):
+        return None
     recompile = _same_compile(compiled_call)
     if recompile is None:
-        return False
-    module.__dict__[COMPILED_COMPUTE] = recompile(module._fsdp_compute)
+        return None
     module._compiled_call_impl = None
-    return True
+    return recompile(compute)
 
 
 def _same_compile(compiled: Callable[..., Any]) -> Callable[[Callable], Callable] | None:

@@ -32,5 +32,5 @@ def test_a_call_without_a_dynamo_context_is_not_read() -> None:
     assert module_compile._same_compile(closure) is None
     module = nn.Linear(2, 2)
     module.__dict__["_compiled_call_impl"] = closure
-    assert not module_compile.adopt_compiled_call(module)
+    assert module_compile.adopt_compiled_call(module, closure, lambda m: False) is None
     assert module._compiled_call_impl is closure  # left as it was
