@@ -81,10 +81,11 @@ def _restore_at_compile_end(args: object) -> None:
         _config().cache_key_tag = _users_tag.pop()
 
 
-@functools.cache
-def _compile_end_callback_registered() -> bool:
-    torch._dynamo.callback_handler.register_end_callback(_restore_at_compile_end)
-    return True
+def _restore_at_compile_end_registered() -> None:
+    # Again after torch._dynamo.reset(), which drops every callback.
+    handler = torch._dynamo.callback_handler
+    if _restore_at_compile_end not in handler.end_callbacks:
+        handler.register_end_callback(_restore_at_compile_end)
 
 
 def key_this_compile_by_graph_passes() -> bool:
@@ -103,7 +104,7 @@ def key_this_compile_by_graph_passes() -> bool:
     tag = tagged(user_tag)
     if tag != user_tag:
         # Torch's end callbacks run as its outermost compile ends, failed or not.
-        _compile_end_callback_registered()
+        _restore_at_compile_end_registered()
         _users_tag[:] = [user_tag]
         config.cache_key_tag = tag
     return True

@@ -171,3 +171,21 @@ def test_plain_whole_step_compile_completes_the_pass_for_our_graphs_only(monkeyp
         assert backend.tags[1:] == [("users-tag", "users-tag")]
     assert len(acted_on) == 1  # not the user's graph
     assert torch.equal(users.weight.grad, reference.weight.grad)
+
+
+def test_plain_compiles_tag_is_put_back_at_each_compile_end() -> None:
+    # (Without compiling: Dynamo's compile-end callbacks as a compile runs them.)
+    # Also after torch._dynamo.reset(), which drops every callback.
+    from torch._dynamo.callback import CallbackTrigger
+
+    from fsdp_traceable.whole_step.graph_pass_key import key_this_compile_by_graph_passes, tagged
+
+    config = torch.compiler.config
+    with config.patch(cache_key_tag="users-tag"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            with torch._dynamo.callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "0"):
+                assert key_this_compile_by_graph_passes()
+                assert key_this_compile_by_graph_passes()  # (each forward of a step calls it)
+                assert config.cache_key_tag == tagged("users-tag") != "users-tag"
+            assert config.cache_key_tag == "users-tag"
