@@ -30,7 +30,7 @@ from .class_swap import fsdp_class, swap_class
 from .features.tensor_parallel import data_parallel_mesh
 from .fsdp_module import FSDPModule
 from .group_settings import GroupSettings
-from .module_state import register_state, state_of
+from .module_state import register_state, replicated, state_of
 from .param_group import ParamGroup
 from .param_shards import ParamShards
 from .root_state import RootState
@@ -265,10 +265,11 @@ def _managed_params(
 
 def _modules_outside_fsdp(module: nn.Module, prefix: str = ""):
     """``(prefix, submodule)`` for ``module`` and every submodule not under another
-    ``fully_shard``, children before their parent: FSDP2's order, so a bucket's layout,
-    and with it the reduce-scatter's summation order per element, matches FSDP2's."""
+    ``fully_shard`` or torch's ``replicate`` (see [Note: replicate and fully_shard]),
+    children before their parent: FSDP2's order, so a bucket's layout, and with it the
+    reduce-scatter's summation order per element, matches FSDP2's."""
     for name, child in module._modules.items():
-        if child is None or isinstance(child, FSDPModule):
+        if child is None or isinstance(child, FSDPModule) or replicated(child):
             continue
         yield from _modules_outside_fsdp(child, f"{prefix}{name}.")
     yield prefix, module

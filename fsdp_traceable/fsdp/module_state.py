@@ -64,6 +64,19 @@ except ImportError:  # pragma: no cover - every supported torch has it
 # The key fully_shard.state() reads: the function contract() decorated.
 _STATE_FUNC = getattr(torch_fully_shard, "__wrapped__", None)
 
+# [Note: replicate and fully_shard]
+# torch's composable APIs also name themselves in a per-module registry, which is how
+# torch's ``replicate`` (DDP) and FSDP2 leave each other's modules alone: ``replicate`` on
+# an enclosing module skips the parameters of modules whose registry names
+# "fully_shard" (and refuses such a module itself), and ``fully_shard`` skips modules
+# whose registry names "replicate". Ours names itself there too, and skips the same
+# modules (fsdp/fully_shard.py), so both orders compose as with FSDP2.
+try:
+    from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
+    from torch.distributed._composable.contract import RegistryItem as _RegistryItem
+except ImportError:  # pragma: no cover - every supported torch has them
+    _REGISTRY_KEY = _RegistryItem = None
+
 
 # Where each module's ModuleEntry lives (and so its state, also where this torch has no
 # composable-API registry).
@@ -127,7 +140,16 @@ def register_state(modules: list[nn.Module], group: ParamGroup) -> FSDPModuleSta
         module.__dict__[_OWN_KEY] = ModuleEntry(state, module)
         if _STATE_KEY is not None and _STATE_FUNC is not None:
             module.__dict__.setdefault(_STATE_KEY, {})[_STATE_FUNC] = state
+        if _REGISTRY_KEY is not None:  # see [Note: replicate and fully_shard]
+            module.__dict__.setdefault(_REGISTRY_KEY, {}).setdefault("fully_shard", _RegistryItem())
     return state
+
+
+def replicated(module: nn.Module) -> bool:
+    """Whether torch's ``replicate`` manages ``module`` (see [Note: replicate and
+    fully_shard]): ``fully_shard`` then leaves it and its submodules alone."""
+    registry = module.__dict__.get(_REGISTRY_KEY) if _REGISTRY_KEY is not None else None
+    return registry is not None and "replicate" in registry
 
 
 def state_of(module: nn.Module) -> FSDPModuleState | None:

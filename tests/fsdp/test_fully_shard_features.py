@@ -344,9 +344,11 @@ def test_group_kept_unsharded_across_head_chunks_like_fsdp2(two_ranks):
 
 
 @pytest.mark.gloo
-def test_ddp_around_a_sharded_submodule_matches_fsdp2(two_ranks):
-    for result in case_results(two_ranks, "ddp_around_sharded_module"):
-        assert_same_training(result["theirs"], result["ours"])
+def test_ddp_and_replicate_compose_with_sharded_modules_like_fsdp2(two_ranks):
+    for result in case_results(two_ranks, "data_parallel_with_sharded_modules"):
+        assert set(result) == {"ddp_around", "replicate_inside", "replicate_outside"}
+        for layout, trained in result.items():
+            assert_same_training(trained["theirs"], trained["ours"])
 
 
 @pytest.mark.gloo

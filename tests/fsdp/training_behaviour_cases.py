@@ -617,28 +617,45 @@ def chunked_head_reshard_toggle(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
-# -- DDP around a model with a sharded submodule -----------------------------------------
+# -- DDP and replicate with sharded modules ----------------------------------------------
 
 
-def ddp_around_sharded_module(rank: int, world_size: int) -> dict[str, Any]:
-    """``DistributedDataParallel`` around a model whose middle block alone is sharded
-    (the block's parameters left out of DDP, as FSDP2's ``test_fully_shard_ignore_params``
-    composes them): DDP all-reduces the outer layers' gradients, the block reduce-scatters
-    its own."""
+def _mlp_of_three() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(DIM, DIM),
+                         nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.ReLU(), nn.Linear(2 * DIM, DIM)),
+                         nn.Linear(DIM, DIM))
+
+
+def data_parallel_with_sharded_modules(rank: int, world_size: int) -> dict[str, Any]:
+    """Data parallelism mixed with sharding, as FSDP2's tests mix them: ``DistributedDataParallel``
+    around a model whose middle block alone is sharded (DDP told to leave the block's
+    parameters alone, as ``test_fully_shard_ignore_params`` does); torch's ``replicate``
+    on the first layer then ``fully_shard`` on the model (which leaves that layer to
+    ``replicate``); ``fully_shard`` on the last layer then ``replicate`` on the model
+    (which leaves that layer to FSDP)."""
+    from torch.distributed._composable import replicate
     from torch.nn.parallel import DistributedDataParallel
 
-    result: dict[str, Any] = {}
-    for name, fully_shard_fn in LIBRARIES:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(DIM, DIM),
-                              nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.ReLU(),
-                                            nn.Linear(2 * DIM, DIM)),
-                              nn.Linear(DIM, DIM))
+    def ddp_around(fully_shard_fn: Callable) -> nn.Module:
+        model = _mlp_of_three()
         fully_shard_fn(model[1])
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, [f"1.{param_name}" for param_name, _ in model[1].named_parameters()])
-        result[name] = _train_small(DistributedDataParallel(model), rank)
-    return result
+        return DistributedDataParallel(model)
+
+    def replicate_inside(fully_shard_fn: Callable) -> nn.Module:
+        model = _mlp_of_three()
+        replicate(model[0])
+        return fully_shard_fn(model)
+
+    def replicate_outside(fully_shard_fn: Callable) -> nn.Module:
+        model = _mlp_of_three()
+        fully_shard_fn(model[2])
+        replicate(model)
+        return model
+
+    return {build.__name__: _both(build, rank)
+            for build in (ddp_around, replicate_inside, replicate_outside)}
 
 
 CASES = (
@@ -651,5 +668,5 @@ CASES = (
     ("frozen_weights_in_group", frozen_weights_in_group),
     ("forward_mode_jvp", forward_mode_jvp),
     ("chunked_head_reshard_toggle", chunked_head_reshard_toggle),
-    ("ddp_around_sharded_module", ddp_around_sharded_module),
+    ("data_parallel_with_sharded_modules", data_parallel_with_sharded_modules),
 )
