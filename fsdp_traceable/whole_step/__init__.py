@@ -7,11 +7,13 @@
 * :mod:`.region_schedule`: the graph passes over a step whose blocks are region calls;
   :mod:`.copy_regions`: the all-gather copies as region calls (see [Note: copy regions]).
 * :mod:`.inductor_options`: Inductor settings for compiling a ``fully_shard``-ed model.
+* :mod:`.graph_pass_key`: the graph passes in torch's compile cache keys, for
+  :func:`compile_step` and a whole step compiled plainly.
 
 Its modules sit on different layers (``tests/test_import_layers.py``):
-``region_schedule``, ``cpu_isa_probe`` and ``inductor_options`` with the base modules,
-``copy_regions`` with ``collectives``, the rest with ``fsdp``. So this ``__init__``
-imports nothing on import: :func:`compile_step` and
+``region_schedule``, ``cpu_isa_probe``, ``inductor_options`` and ``graph_pass_key`` with
+the base modules, ``copy_regions`` with ``collectives``, the rest with ``fsdp``. So this
+``__init__`` imports nothing on import: :func:`compile_step` and
 :func:`dynamo_traces_backward_into_dtensors` are read from :mod:`.capture` on first use.
 """
 
