@@ -104,3 +104,20 @@ def forward_regions_in_use() -> bool:
     return (forward_regions_enabled() and torch.compiler.is_compiling()
             and getattr(torch._dynamo.config, "trace_autograd_ops", False)
             and regions_available())
+
+
+def compiled_autograd_regions_in_use() -> bool:
+    """Whether Dynamo traces compiled autograd's graph now with ``config.backward_regions``
+    on: each block's backward is one region call, and the re-gathers and reduce-scatters
+    of the eager hooks compiled autograd captured run their copies as region calls too
+    (see [Note: copy regions])."""
+    return (config.backward_regions and torch.compiler.is_compiling()
+            and compiled_autograd_tracing() and regions_available())
+
+
+def copy_regions_in_use() -> bool:
+    """Whether a bucket's all-gather copies run as calls of nested compile regions, one
+    per layout (see [Note: copy regions]): where a whole step traces its forwards as
+    regions (:func:`forward_regions_in_use`) or compiled autograd's graph is traced with
+    backward regions (:func:`compiled_autograd_regions_in_use`)."""
+    return forward_regions_in_use() or compiled_autograd_regions_in_use()

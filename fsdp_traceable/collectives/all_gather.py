@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..tracing import forward_regions_in_use
+from ..tracing import copy_regions_in_use
 from ..whole_step.copy_regions import copy_in_in_region, copy_out_in_region
 from . import comm, copy_backends
 from .bucket_layout import BucketLayout
@@ -93,7 +93,7 @@ def foreach_all_gather(
                 "(set_symm_mem_for_comm and set_allocate_memory_from_process_group_for_comm "
                 "set one too)"
             )
-        if forward_regions_in_use():
+        if copy_regions_in_use():
             flat_input = copy_in_in_region(inputs, padded_numels, dtype)
         else:
             flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
@@ -135,7 +135,7 @@ def foreach_all_gather_copy_out(result: AllGatherResult) -> list[torch.Tensor]:
 def all_gather_output_copy_out(output: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]:
     """Unpacks a completed all-gather output of ``layout``'s bucket (every rank's
     copy-in, in rank order) into unsharded tensors, as :func:`foreach_all_gather_copy_out`."""
-    if forward_regions_in_use():
+    if copy_regions_in_use():
         return copy_out_in_region(output, layout)
     return copy_backends.all_gather_copy_out(
         output, layout.world_size, layout.global_sizes_flat, layout.global_ndims,

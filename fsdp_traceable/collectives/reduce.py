@@ -20,6 +20,8 @@ except ImportError:
     _from_local_no_grad = None
 
 from ..profiler_labels import phase
+from ..tracing import compiled_autograd_regions_in_use
+from ..whole_step.copy_regions import reduce_scatter_copy_in_in_region
 from . import comm, copy_backends, ops
 from .bucket_layout import BucketLayout
 from .divide_factors import ReduceSchedule, gradient_divide_schedule
@@ -169,10 +171,14 @@ def start_foreach_reduce(
         schedule = schedule._replace(predivide_factor=None, postdivide_factor=None,
                                      reduce_scatter_op=op, all_reduce_op=op)
 
-    reduce_input = copy_backends.reduce_scatter_copy_in(
-        list(unsharded_grads), world_size, layout.shard_dims, reduce_dtype,
-        _nontrivial(schedule.predivide_factor),
-    )
+    if compiled_autograd_regions_in_use():
+        reduce_input = reduce_scatter_copy_in_in_region(
+            list(unsharded_grads), layout, reduce_dtype, _nontrivial(schedule.predivide_factor))
+    else:
+        reduce_input = copy_backends.reduce_scatter_copy_in(
+            list(unsharded_grads), world_size, layout.shard_dims, reduce_dtype,
+            _nontrivial(schedule.predivide_factor),
+        )
     if world_size > 1:
         reduce_output = comm.start_reduce_scatter(reduce_input, schedule.reduce_scatter_op,
                                                   reduce_scatter_group, reduce_scatter_comm)

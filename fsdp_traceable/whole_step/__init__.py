@@ -5,7 +5,7 @@
 * :mod:`.step_cache` and :mod:`.cpu_isa_probe`: the step compiled ahead of time,
   saved per rank and loaded by a restart.
 * :mod:`.region_schedule`: the graph passes over a step whose blocks are region calls;
-  :mod:`.copy_regions`: the all-gather copies as region calls (see [Note: copy regions]).
+  :mod:`.copy_regions`: the bucket copies as region calls (see [Note: copy regions]).
 * :mod:`.inductor_options`: Inductor settings for compiling a ``fully_shard``-ed model.
 * :mod:`.graph_pass_key`: the graph passes in torch's compile cache keys, for
   :func:`compile_step` and a whole step compiled plainly.

@@ -1,4 +1,4 @@
-"""A whole step's all-gather copies as calls of nested compile regions, one per layout.
+"""A bucket's copies as calls of nested compile regions, one per layout.
 
 [Note: copy regions]
 Where a whole step runs its blocks as forward regions (see [Note: forward regions] in
@@ -13,6 +13,13 @@ stays outside, in the step's graph, where the overlap pass moves it, with its co
 (``region_schedule``, which tells a copy region from a block's by what it reads or
 feeds: a collective). The copies run under ``no_grad`` and return fresh tensors (see
 ``ops._all_gather_copy_out`` under regions), as a region must.
+
+Compiled autograd's backward of a per-block compiled model does the same: each block's
+backward is one region call (``fsdp_traceable.backward_regions``), and the eager hooks
+it traces around those calls (each block's re-gather and reduce-scatter) run their
+all-gather copy-in and copy-out and their reduce-scatter copy-in as region calls too
+(``tracing.compiled_autograd_regions_in_use``), so AOTAutograd and Inductor lower and
+generate each copy once, not once per block.
 """
 
 from __future__ import annotations
@@ -85,3 +92,25 @@ def copy_in_in_region(shards: list[torch.Tensor], padded_numels: tuple[int, ...]
     shard_layouts = tuple((tuple(shard.shape), shard.dtype) for shard in shards)
     signature = (padded_numels, dtype, shard_layouts)
     return _copy_in_region(_key_id(signature) + 0, *shards)
+
+
+
+def _reduce_scatter_copy_in(key: int, *grads: torch.Tensor) -> torch.Tensor:
+    world_size, shard_dims, reduce_dtype, predivide_factor, _, _, _ = _signature(key)
+    return copy_backends.reduce_scatter_copy_in(
+        list(grads), world_size, shard_dims, reduce_dtype, predivide_factor)
+
+
+_reduce_scatter_copy_in_region = keyed_region(_reduce_scatter_copy_in)
+
+
+def reduce_scatter_copy_in_in_region(grads: list[torch.Tensor], layout: BucketLayout,
+                                     reduce_dtype: torch.dtype,
+                                     predivide_factor: float | None) -> torch.Tensor:
+    """The reduce-scatter input of a bucket's unsharded ``grads`` (``layout``'s
+    ``reduce_scatter_copy_in``), as one call of the copy-in region of their layout
+    (see [Note: copy regions]). Called only while Dynamo traces compiled autograd's
+    graph with backward regions."""
+    signature = (layout.world_size, layout.shard_dims, reduce_dtype, predivide_factor,
+                 layout.global_sizes_flat, layout.global_ndims, grads[0].dtype)
+    return _reduce_scatter_copy_in_region(_key_id(signature) + 0, *grads)
