@@ -241,7 +241,9 @@ def _builtin(config: TransformerConfig) -> ModelSource:
         return [per_stage + (index < extra) for index in range(pp)]
 
     def build_stage(depth: int, first: bool, last: bool) -> nn.Module:
-        stage = TransformerStage(build(depth), 0, 1)  # every block; then drop the ends
+        model = build(depth)
+        stage = TransformerStage(model, 0, 1)  # every block; then drop the ends
+        stage.config = model.config  # for parallelize_transformer's checks
         stage.is_first, stage.is_last = first, last
         if not first:
             stage.tok_embeddings = stage.pos_embeddings = None

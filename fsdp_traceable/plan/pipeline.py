@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -92,15 +93,18 @@ class PipelineRunner:
         self.source = source
         hidden = source.hidden(micro, seq_len, settings)
         inputs = torch.zeros(micro, seq_len, dtype=torch.long) if self.first else hidden
-        outputs = (torch.empty(micro, seq_len, source.vocab_size, requires_grad=True)
-                   if self.last else hidden)
+        outputs = (torch.empty(micro, seq_len, source.vocab_size, dtype=hidden.dtype,
+                               requires_grad=True) if self.last else hidden)
         # With DTensor activations (tensor parallel) static metadata needs the gradients'
-        # too: each the same as its tensor; the tokens and the loss have none.
+        # too: each the same as its tensor; the tokens and the loss have none. (torch
+        # before 2.13 takes no gradient metadata, nor DTensors between stages.)
+        grads = {}
+        if "input_grads" in inspect.signature(PipelineStage).parameters:
+            grads = {"input_grads": (None,) if self.first else hidden,
+                     "output_grads": None if self.last else hidden}
         self.stage = PipelineStage(model, stage_index, pp, torch.device("cpu"),
-                                   input_args=inputs, output_args=outputs,
-                                   input_grads=(None,) if self.first else hidden,
-                                   output_grads=None if self.last else hidden,
-                                   group=pp_group)
+                                   input_args=inputs, output_args=outputs, group=pp_group,
+                                   **grads)
         self.schedule = SCHEDULES[settings.schedule](
             self.stage, n_microbatches=microbatches, loss_fn=source.stage_loss)
         self.recorder: StepRecorder | None = None
