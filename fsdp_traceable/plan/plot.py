@@ -16,7 +16,7 @@ def require_matplotlib() -> None:
     """Raises ``RuntimeError`` naming the install if matplotlib is missing."""
     if importlib.util.find_spec("matplotlib") is None:
         raise RuntimeError("--plot needs matplotlib, which is not installed: pip install "
-                           "'fsdp-traceable[plot]' (or matplotlib), or leave out --plot")
+                           "matplotlib (or the [plot] extra), or leave out --plot")
 
 
 def _spans(phases: list[str]) -> list[tuple[int, int, str]]:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from fsdp_traceable.cli.main import main
 
@@ -29,11 +30,20 @@ def test_plan_json_reports_memory_and_collectives_per_group(capsys) -> None:
     assert report["estimate"]["step_s"] > 0
 
 
-def test_plan_refuses_pipeline_parallel_and_a_tp_that_does_not_divide() -> None:
-    with pytest.raises(NotImplementedError, match="not supported by plan yet"):
-        main([*SMALL, "--pp", "2"])
+def test_plan_refuses_degrees_that_do_not_divide_and_a_pipeline_it_cannot_split() -> None:
     with pytest.raises(ValueError, match="--tp 3"):
         main([*SMALL, "--world-size", "4", "--tp", "3"])
+    with pytest.raises(ValueError, match="--dp-replicate 3 must divide --world-size 4"):
+        main([*SMALL, "--world-size", "4", "--dp-replicate", "3"])
+    with pytest.raises(ValueError, match="--batch-size 2 .* --microbatches 4"):
+        main([*SMALL, "--world-size", "4", "--pp", "4"])
+    with pytest.raises(NotImplementedError, match="no pipeline split here"):
+        main([*SMALL, "--model", f"{__name__}:no_split", "--world-size", "4", "--pp", "2"])
+
+
+def no_split() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.ModuleList(
+        [torch.nn.Linear(16, 16)] * 2), torch.nn.Linear(16, 64))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None,
