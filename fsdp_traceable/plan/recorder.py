@@ -73,6 +73,7 @@ _GATHER_FILES = ("fsdp_traceable/fsdp/group_all_gather.py",
 _REDUCE_FILES = ("fsdp_traceable/fsdp/gradient_reduction.py",
                  "fsdp_traceable/collectives/reduce.py")
 _GROUP_FILE = "fsdp_traceable/fsdp/param_group.py"
+_QUEUE_FILE = "fsdp_traceable/fsdp/reduce_queue.py"
 _SHARDING_PROPAGATION = "torch/distributed/tensor/_sharding_prop.py"
 _TENSOR_PARALLEL = "tensor parallel (compute)"
 
@@ -133,8 +134,23 @@ class StepRecorder(TorchDispatchMode):
     # (event index, phase) where each phase began: the plot's marks.
     phase_starts: list[tuple[int, str]] = field(default_factory=list)
 
+    # id of a sharded parameter -> its fully_shard group's name: reductions the
+    # model's queue finishes later (the last ones at the end of backward) run outside
+    # their group's code, so the stack names them by their target's parameters.
+    group_of_param: dict[int, str] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         super().__init__()
+
+    def name_groups(self, model: torch.nn.Module) -> None:
+        """Learns which ``fully_shard`` group each sharded parameter of ``model`` is in."""
+        from ..fsdp.module_state import state_of
+
+        for module in model.modules():
+            state = state_of(module)
+            if state is not None:
+                for param in state.group.params.sharded_params:
+                    self.group_of_param[id(param)] = state.group.name or "(root)"
 
     # -- memory -------------------------------------------------------------------------
 
@@ -277,7 +293,7 @@ class StepRecorder(TorchDispatchMode):
         kind = _COLLECTIVES[name]
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         nbytes = max(t.numel() * t.element_size() for t in tensors)
-        group = PIPELINE if kind in ("send", "recv") else _issuing_group()
+        group = PIPELINE if kind in ("send", "recv") else _issuing_group(self.group_of_param)
         self.collectives.append(Collective(kind, group, nbytes, _group_size(args, kwargs),
                                            self._phase))
 
@@ -340,14 +356,22 @@ def _locals(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [local] if type(local) in _PLAIN else []
 
 
-def _issuing_group() -> str:
-    """The ``fully_shard`` group whose code is on the stack, else the compute."""
+def _issuing_group(group_of_param: dict[int, str]) -> str:
+    """The ``fully_shard`` group whose code is on the stack, or whose gradients the
+    model's reduction queue is finishing, else the compute."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename.replace("\\", "/").endswith(_GROUP_FILE):
+        filename = frame.f_code.co_filename.replace("\\", "/")
+        if filename.endswith(_GROUP_FILE):
             owner = frame.f_locals.get("self")
             if owner is not None and hasattr(owner, "name"):
                 return owner.name or "(root)"
+        if filename.endswith(_QUEUE_FILE):
+            target = frame.f_locals.get("target")
+            params = getattr(target, "params", None) or ()
+            for param in params:
+                if id(param) in group_of_param:
+                    return group_of_param[id(param)]
         frame = frame.f_back
     return _TENSOR_PARALLEL
 

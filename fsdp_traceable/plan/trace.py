@@ -186,6 +186,7 @@ def trace_step(source: ModelSource, depth: int, world_size: int, settings: Shard
                     if pipelined else forward_backward(model, source))
             run_step(model, step, optimizer, tokens, targets)  # creates optimizer state
             recorder = StepRecorder()
+            recorder.name_groups(model)
             recorder.adopt(model.parameters(), PARAMS)
             recorder.adopt(_optimizer_tensors(optimizer), OPTIMIZER)
             recorder.adopt(model.buffers(), PERSISTENT)

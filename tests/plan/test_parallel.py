@@ -179,9 +179,12 @@ def test_hsdp_with_cpu_offload_is_planned_as_the_real_step(real: list[dict]) -> 
     assert (plan.params_bytes, plan.optimizer_bytes, plan.gradient_bytes) == (
         measured["params"], measured["optimizer"], measured["gradients"])
     assert _by_kind_and_size(plan) == measured["collectives"]
-    # Gathered and reduced within a replica (2 ranks), all-reduced across replicas.
+    # Gathered and reduced within a replica (2 ranks), all-reduced across replicas, each
+    # by its fully_shard group (the last ones finish at the end of backward).
     assert {kind for kind, _ in measured["collectives"]} == {
         "all-gather", "reduce-scatter", "all-reduce"}
+    assert {group for kind, group, _, _ in plan.collectives if kind == "all-reduce"} == {
+        "(root)", "layers.*"}
     # Offloaded: the sharded state is off the device peak.
     assert plan.offload and not set(plan.at_peak) & HOST_CATEGORIES
 
