@@ -159,17 +159,18 @@ def _gib(nbytes: float) -> str:
 
 def format_plan(plan: Plan, setup: dict[str, Any], gpu: str | None = None) -> str:
     """The plan as a table for the terminal."""
+    host = "  (on the host)" if plan.offload else ""
     lines = [
         "plan: " + ", ".join(f"{k} {v}" for k, v in setup.items()),
         f"method: {method(plan)}",
         "",
         *(_pipeline_lines(plan) if plan.pipeline is not None else []),
-        "memory per rank" + (" (device; CPU offload: the sharded state below is on the host, "
-                             f"{_gib(host_bytes(plan)).strip()}, and the optimizer steps "
-                             "there)" if plan.offload else ""),
-        f"  parameters (sharded)            {_gib(plan.params_bytes)}",
-        f"  gradients (sharded)             {_gib(plan.gradient_bytes)}",
-        f"  optimizer state                 {_gib(plan.optimizer_bytes)}",
+        "memory per rank" + (f" (CPU offload: {_gib(host_bytes(plan)).strip()} of sharded "
+                             "state on the host, where the optimizer steps; the peak counts "
+                             "the device)" if plan.offload else ""),
+        f"  parameters (sharded)            {_gib(plan.params_bytes)}{host}",
+        f"  gradients (sharded)             {_gib(plan.gradient_bytes)}{host}",
+        f"  optimizer state                 {_gib(plan.optimizer_bytes)}{host}",
         f"  unsharded parameters at peak    {_gib(plan.at_peak.get(UNSHARDED, 0))}",
         f"  activations at peak             {_gib(plan.at_peak.get(ACTIVATIONS, 0))}",
         f"  other at peak                   {_gib(sum(n for c, n in plan.at_peak.items() if c not in (PARAMS, OPTIMIZER, GRADIENTS, UNSHARDED, ACTIVATIONS)))}",  # noqa: E501
