@@ -335,12 +335,14 @@ def test_weights_frozen_inside_groups_reduce_only_trainable_numel(two_ranks):
 def test_group_kept_unsharded_across_head_chunks_like_fsdp2(two_ranks):
     for result in case_results(two_ranks, "chunked_head_reshard_toggle"):
         for initial_reshard in (False, True):
-            theirs = result[f"theirs_{initial_reshard}"]
             ours = result[f"ours_{initial_reshard}"]
             # sharded before the first step; each step: unsharded after both chunks,
             # sharded after the explicit reshard()
-            assert ours["unsharded"] == theirs["unsharded"] == [False] + [True, True, False] * 2
-            assert_same_training(theirs, ours)
+            assert ours["unsharded"] == [False] + [True, True, False] * 2
+            if f"theirs_{initial_reshard}" in result:  # FSDP2 of torch 2.13+
+                theirs = result[f"theirs_{initial_reshard}"]
+                assert theirs["unsharded"] == ours["unsharded"]
+                assert_same_training(theirs, ours)
 
 
 @pytest.mark.gloo
