@@ -1,6 +1,9 @@
-"""The plan against the step it plans: the real step on 2 gloo ranks (sharded bytes,
-every collective's count and bytes, the peak), and the extrapolation from 2 and 3
-blocks against a full trace of the deeper model."""
+"""The plan against the step it plans: the real step at world sizes 2, 4 and 8 on gloo
+(sharded bytes, every collective's count and bytes, the peak), and the extrapolation
+from 2 and 3 blocks against a full trace of the deeper model.
+
+One launch of 8 ranks measures all three worlds: a world of 2 is each row of a (4, 2)
+mesh, a world of 4 each row of a (2, 4) mesh, and every rank steps in each."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_traceable import fully_shard
@@ -42,11 +45,15 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _real_step(rank: int, world_size: int) -> dict:
-    """The planned set-up, for real: per block, then root, AdamW (foreach), fp32."""
+WORLDS = (2, 4, 8)
+
+
+def _real_step(mesh: DeviceMesh) -> dict:
+    """The planned set-up, for real, on ``mesh`` (1-D): per block, then root, AdamW
+    (foreach), fp32."""
+    world_size = mesh.size()
     torch.manual_seed(0)
     model = Transformer(CONFIG)
-    mesh = init_device_mesh("cpu", (world_size,))
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
@@ -70,7 +77,8 @@ def _real_step(rank: int, world_size: int) -> dict:
     numel = max(n for (kind, n) in counter.seen if kind == "reduce-scatter") // 4
     rs_input, rs_output = torch.empty(numel), torch.empty(numel // world_size)
     gloo_copy = peak_allocated_bytes(
-        lambda: dist.reduce_scatter_tensor(rs_output, rs_input), caller_thread_only=True)
+        lambda: dist.reduce_scatter_tensor(rs_output, rs_input, group=mesh.get_group()),
+        caller_thread_only=True)
     state = [v for s in optimizer.state.values() for v in s.values()]
     return {"params": sum(p.to_local().untyped_storage().nbytes() for p in model.parameters()),
             "optimizer": sum(v.to_local().untyped_storage().nbytes() if hasattr(v, "to_local")
@@ -79,28 +87,50 @@ def _real_step(rank: int, world_size: int) -> dict:
             "gloo_copy": gloo_copy}
 
 
-@pytest.fixture(scope="module")
-def real() -> dict:
-    return run_on_local_ranks(_real_step, 2)[0]
+def _real_steps(rank: int, world_size: int) -> dict[int, dict]:
+    """This rank's measurements of the step at each world size in ``WORLDS``."""
+    steps = {}
+    for world in WORLDS:
+        rows = init_device_mesh("cpu", (world_size // world, world), mesh_dim_names=("row", "dp"))
+        steps[world] = _real_step(rows["dp"])
+    return steps
 
 
 @pytest.fixture(scope="module")
-def planned():
+def measured() -> dict[int, dict]:
+    return run_on_local_ranks(_real_steps, max(WORLDS))[0]
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[int, object]:
     source = model_source("transformer", layers=CONFIG.n_layers, dim=CONFIG.dim,
                           heads=CONFIG.n_heads, vocab_size=CONFIG.vocab_size,
                           seq_len=CONFIG.max_seq_len)
-    return make_plan(source, 2, ShardSettings(param_dtype="fp32"), WORKLOAD, full_trace=True)
+    return {world: make_plan(source, world, ShardSettings(param_dtype="fp32"), WORKLOAD,
+                             full_trace=True) for world in WORLDS}
 
 
-def test_planned_sharded_bytes_are_the_real_steps(real: dict, planned) -> None:
+@pytest.fixture(scope="module")
+def planned(plans):
+    return plans[2]
+
+
+@pytest.fixture(params=WORLDS, ids=lambda w: f"world{w}")
+def world(request) -> int:
+    return request.param
+
+
+def test_planned_sharded_bytes_are_the_real_steps(measured, plans, world: int) -> None:
+    real, planned = measured[world], plans[world]
     assert (planned.params_bytes, planned.optimizer_bytes, planned.gradient_bytes) == (
         real["params"], real["optimizer"], real["gradients"])
 
 
-def test_planned_collectives_are_the_real_steps(real: dict, planned) -> None:
+def test_planned_collectives_are_the_real_steps(measured, plans, world: int) -> None:
+    real, planned = measured[world], plans[world]
     seen: Counter = Counter()
     for (kind, _, _, ranks), (count, nbytes) in planned.collectives.items():
-        assert ranks == 2
+        assert ranks == world
         seen[kind] += count
     assert seen == _by_kind(real["collectives"])
     planned_bytes = Counter()
@@ -119,7 +149,9 @@ def _by_kind(collectives: Counter) -> Counter:
     return out
 
 
-def test_planned_peak_is_within_ten_percent_of_the_measured_one(real: dict, planned) -> None:
+def test_planned_peak_is_within_ten_percent_of_the_measured_one(measured, plans,
+                                                                world: int) -> None:
+    real, planned = measured[world], plans[world]
     # The measured peak counts from zero at the step's start (allocations on the calling
     # thread, from the profiler's memory events): the plan's peak above what was alive
     # then, plus gloo's own copy of a reduce-scatter's input.
