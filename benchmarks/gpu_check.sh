@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run, with the machine's own python3 and torch (no
 # install, no network): the copy kernels' bandwidth and bits, the training bench on CUDA,
-# and the CUDA-only tests. Results go to benchmarks/out/gpu/ (ignored by git; GPU_OUT
-# overrides it), with the commit they measured. Each step runs even if an earlier one
+# the plan of that workload against it, and the CUDA-only tests. Results go to
+# benchmarks/out/gpu/ (ignored by git; GPU_OUT overrides it), with the commit they measured. Each step runs even if an earlier one
 # failed; the exit code is the first failure's.
 #
 #   make gpu-check                     # or: bash benchmarks/gpu_check.sh
@@ -40,6 +40,14 @@ step bench 210 "$PY" -m fsdp_traceable bench --device cuda --world-size 1 --mp b
   --dim 1024 --layers 8 --heads 16 --vocab-size 8192 --seq-len 512 --batch-size 8 \
   --modes fsdp2-eager,eager,compile-ca,whole-step,compile-blocks,compute-only,compute-only-compiled,comm-only \
   --bench-steps 10 --out "$OUT/bench"
+# The plan of that workload (ours, eager, one rank) against the run: peak above the
+# step's start and step time, planned / measured (benchmarks/plan_vs_run.py).
+GPU_KIND=$("$PY" -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ''; print(next((k for k in ('h200', 'b200', 'h100') if k in n), 'h100'))")
+step plan 90 bash -c '"$0" -m fsdp_traceable plan --model transformer --world-size 1 --param-dtype bf16 \
+  --reduce-dtype fp32 --dim 1024 --layers 8 --heads 16 --vocab-size 8192 --seq-len 512 --batch-size 8 \
+  --gpu "$1" --json > "$2"' "$PY" "$GPU_KIND" "$OUT/plan.json"
+step plan-vs-run 30 "$PY" benchmarks/plan_vs_run.py --plan "$OUT/plan.json" \
+  --bench "$OUT/bench/bench.json" --mode eager --out "$OUT/plan_vs_run.json"
 if "$PY" -c "import pytest" 2>/dev/null; then
   step tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
 else
