@@ -30,7 +30,9 @@ DEFAULT_VERSIONS=(2.11.0 2.15.0)
 # module state FSDP2's users read, and low-precision gradients against FSDP2 (its
 # mixed-precision dtypes and no-sync accumulation, which 2.15 changed: about 20 s, one
 # 2-rank run; and that compiled, torch still cannot declare the gradient dtypes which
-# would keep such gradients wide, one process). The main job runs the rest on the
+# would keep such gradients wide, one process), and that importing and using the package
+# changes nothing of torch for the user's other workloads (their numbers, graphs and
+# warnings against a process that never imported us). The main job runs the rest on the
 # pinned torch.
 # Then the GPU target check compiles every CUDA variant of the copy kernels for sm_80,
 # sm_90 and sm_100 with this torch's Triton (no GPU; about 2 minutes on 2 cores).
@@ -63,6 +65,7 @@ SUBSET=(
   "$FEATURES::test_mixed_precision_dtype_combination_matches_fsdp2"
   "$FEATURES::test_no_gradient_sync_until_last_microbatch_matches_fsdp2"
   tests/collectives/test_grad_dtypes.py
+  tests/test_import_side_effects.py
 )
 
 # The registry's triton-kernels and ours, imported side by side from outside the clone.
