@@ -36,6 +36,7 @@ from fsdp_traceable.models.transformer import (
     shard_transformer,
 )
 from fsdp_traceable.testing import count_collectives, track_compiles
+from fsdp_traceable.tracing import regions_available
 from fsdp_traceable.whole_step import region_schedule
 from fsdp_traceable.whole_step.region_schedule import CompiledAutogradOverlap
 from tests.fixtures import kernel_cache_only
@@ -122,9 +123,11 @@ def test_compile_work_per_block_is_constant(fake_world: None) -> None:
         assert len(_region_calls(backward_graph)) == n_layers
         # Every block's copies (re-gather copy-in and copy-out, reduce-scatter copy-in) are
         # calls of three shared regions, traced once whatever the depth: no copy op of a
-        # block is left for AOTAutograd and Inductor to lower per block.
+        # block is left for AOTAutograd and Inductor to lower per block. (Where regions
+        # take no reuse key, torch 2.11 and 2.12, the copies stay ops.)
         copies = _copy_region_calls(backward_graph)
-        assert (len(copies), len(set(copies))) == (3 * n_layers, 3), copies
+        expected = (3 * n_layers, 3) if regions_available() else (0, 0)
+        assert (len(copies), len(set(copies))) == expected, copies
         nodes[n_layers] = len(backward_graph.graph.nodes)
     per_block = (nodes[4] - nodes[2]) / 2
     assert per_block <= NODES_PER_BLOCK, nodes
@@ -219,7 +222,7 @@ def test_compiled_autograd_traces_one_block_backward(
     gathers = [entry for entry in overlap(code) if entry.kind == "all_gather"]
     assert all(entry.waited for entry in gathers)
     block_regions = _block_region_names(code)
-    assert len(block_regions) == 1, block_regions
+    assert 1 <= len(block_regions) <= (1 if _DYNAMO_REUSES_SUBGRAPHS else 2), block_regions
     regions_during = [sum(name in block_regions for name in entry.compute) for entry in gathers]
     assert regions_during[0] == 0 and min(regions_during[1:]) >= 1, regions_during
     # Outside compiled autograd's compile, the pass moves nothing.
