@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import sys
 from unittest import mock
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 from fsdp_traceable.plan.models import LLAMA3_FLAVOURS
 from fsdp_traceable.plan.trace import fake_world
 
@@ -118,11 +120,17 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--skip-sharding-propagation", action="store_true")
+    add_output_arguments(parser, "fsdp_mem_tracker_estimate.json")
     options = parser.parse_args()
     stats = tracker_peak(options.model, options.world_size, options.seq_len,
                          options.skip_sharding_propagation)
     for name, nbytes in stats.items():
         print(f"{name:16s} {nbytes / 2**30:8.2f} GiB")
+    path = output_path(options.out, options.publish, "fsdp_mem_tracker_estimate.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(options), "peak_bytes": stats,
+                                "provenance": provenance()}, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

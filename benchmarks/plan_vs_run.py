@@ -13,7 +13,8 @@ out.
 
 Usage::
 
-    python benchmarks/plan_vs_run.py --plan plan.json --bench bench/bench.json [--mode eager] [--out F]
+    python benchmarks/plan_vs_run.py --plan plan.json --bench bench/bench.json \
+        [--mode eager] [--out F | --publish]
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
 
 
 def compare(plan: dict[str, Any], bench: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -63,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", required=True, help="plan --json output")
     parser.add_argument("--bench", required=True, help="bench's bench.json")
     parser.add_argument("--mode", default="eager", help="the bench mode to compare with")
-    parser.add_argument("--out", default=None, help="write the comparison as JSON here too")
+    add_output_arguments(parser, "plan_vs_run.json")
     args = parser.parse_args(argv)
     with open(args.plan) as f:
         plan = json.load(f)
     with open(args.bench) as f:
         bench = json.load(f)
-    report = compare(plan, bench, args.mode)
+    report = {**compare(plan, bench, args.mode), "provenance": provenance()}
     peak = report["peak_above_step_start_bytes"]
     print(f"peak above the step's start: planned {peak['planned'] / 2**20:.1f} MiB, "
           f"measured {peak['measured'] / 2**20:.1f} MiB ({peak['ratio']:.2f}x)")
@@ -77,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         step = report["step_ms"]
         print(f"step ({step['gpu']}): planned {step['planned']:.1f} ms, measured "
               f"{step['measured']:.1f} ms ({step['ratio']:.2f}x)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    path = output_path(args.out, args.publish, "plan_vs_run.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
     return 0
 
 
