@@ -44,13 +44,15 @@ bench-publish:
 	$(MAKE) bench BENCH_OUT=benchmarks/results
 
 # Two parts: every test but the timing-sensitive ones on two workers (a test file stays
-# on one worker, so its module fixtures run once), then the `serial` ones alone.
+# on one worker, so its module fixtures run once), then the `serial` ones alone. The
+# compile tests, the longest files, are handed out first, so the short ones fill the
+# workers' ends instead of one long file running alone at the end.
 # pytest exits 5 when it collects no test; an empty part is not a failure here.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	@status=0; \
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 tests compile_tests \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 compile_tests tests \
 		|| status=$$?; [ $$status -eq 5 ] && status=0; \
 	serial=0; $(PYTEST) -m serial --durations=5 tests compile_tests || serial=$$?; \
 	[ $$serial -eq 5 ] && serial=0; [ $$status -ne 0 ] && exit $$status; exit $$serial
