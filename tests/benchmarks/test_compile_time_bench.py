@@ -3,23 +3,17 @@ error summary a failed configuration records, and the plot."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
 import pytest
 
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "compile_time_bench.py"
+from tests.benchmarks.scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("compile_time_bench", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with benchmark_script("compile_time_bench") as module:
+        yield module
 
 
 def _row(config: str, layers: int, first: float) -> dict:

@@ -3,24 +3,16 @@ against FSDP2's own ``torch.ops.fsdp`` copy path on the same buckets."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "copy_bench.py"
+from tests.benchmarks.scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def copy_bench():
-    spec = importlib.util.spec_from_file_location("copy_bench", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with benchmark_script("copy_bench") as module:
+        yield module
 
 
 # Uneven dim 0 (padded shards on the later ranks), vectors, a dim 0 smaller than the

@@ -3,27 +3,22 @@ implementations' closures (checked bit for bit in the Triton interpreter)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
+
+from tests.benchmarks.scripts import benchmark_script
 
 pytestmark = pytest.mark.triton
 pytest.importorskip("triton", reason="triton is not installed")
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_check.py")
+@pytest.fixture(scope="module")
+def gpu_check():
+    with benchmark_script("gpu_check") as module:
+        yield module
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_dry_run_builds_every_bucket_and_checks_bits(tmp_path):
-    gpu_check = _load()
+def test_dry_run_builds_every_bucket_and_checks_bits(gpu_check, tmp_path):
     out = tmp_path / "gpu_check.json"
     assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -35,8 +30,7 @@ def test_dry_run_builds_every_bucket_and_checks_bits(tmp_path):
     assert [len(gpu_check.make_bucket(n)) for n in (9, 100, 1000)] == [9, 100, 1000]
 
 
-def test_peak_bandwidth_by_device_name():
-    gpu_check = _load()
+def test_peak_bandwidth_by_device_name(gpu_check):
     assert gpu_check.peak_bandwidth(None, "NVIDIA H100 80GB HBM3") == (3.35e12, "default for H100")
     assert gpu_check.peak_bandwidth(None, "NVIDIA H200")[0] == 4.8e12
     assert gpu_check.peak_bandwidth(2e12, "NVIDIA H200") == (2e12, "--peak-bandwidth")
