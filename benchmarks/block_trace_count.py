@@ -1,0 +1,124 @@
+"""What each block adds to compiled autograd's backward under per-block compile, as
+counts a loaded machine does not change: the function calls Dynamo inlines while it
+traces the backward, and the nodes of the graph it hands its backend.
+
+The built-in transformer at 2 and 4 blocks (width 64 by default), sharded by
+``fully_shard``, one process on the fake process group (world 2), every block
+``block.compile(fullgraph=True)`` (``aot_eager``), the backward under compiled autograd
+with Dynamo alone (the ``eager`` backend: what Dynamo traces does not depend on the
+backend). A block's share is the difference between the two depths, halved. Inlined
+calls are Dynamo's ``InliningInstructionTranslator.inline_call_``, counted while the
+backward runs (the blocks' forward compiles before it), and listed per inlined function
+where a block adds any. About a minute on one core.
+
+Run: ``python benchmarks/block_trace_count.py`` (``--json PATH`` also writes the counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _counting_inlines(counts: collections.Counter) -> object:
+    """Counts every function Dynamo inlines, by ``name (file:line)``, while active."""
+    from torch._dynamo.symbolic_convert import InliningInstructionTranslator
+
+    original = InliningInstructionTranslator.inline_call_
+
+    def inline_call_(self):
+        code = self.f_code
+        where = pathlib.Path(code.co_filename)
+        short = "/".join(where.parts[-2:])
+        counts[f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name} "
+               f"({short}:{code.co_firstlineno})"] += 1
+        return original(self)
+
+    InliningInstructionTranslator.inline_call_ = inline_call_
+    try:
+        yield
+    finally:
+        InliningInstructionTranslator.inline_call_ = original
+
+
+def count(n_layers: int, dim: int) -> dict:
+    """One step of the ``n_layers``-block model; returns its backward's counts."""
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    import fsdp_traceable
+    from fsdp_traceable.introspection.fake_world import fake_process_group
+    from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
+
+    cfg = TransformerConfig(vocab_size=96, dim=dim, n_layers=n_layers, n_heads=4,
+                            hidden_dim=dim + dim // 2, max_seq_len=12)
+    inlined: collections.Counter = collections.Counter()
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = shard_transformer(Transformer(cfg), fsdp_traceable.fully_shard)
+        for block in model.layers:
+            block.compile(backend="aot_eager", fullgraph=True)
+        backend = CompileCounterWithBackend("eager")
+        compiler = torch.compile(backend=backend, fullgraph=True)
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len),
+                               generator=torch.Generator().manual_seed(1))
+        loss = model.loss(tokens, torch.roll(tokens, 1, dims=1))
+        captured_before = counters["stats"].get("calls_captured", 0)
+        with _counting_inlines(inlined), torch._dynamo.compiled_autograd._enable(compiler):
+            loss.backward()
+        captured = counters["stats"].get("calls_captured", 0) - captured_before
+        (graph,) = backend.graphs
+        nodes = len(graph.graph.nodes)
+    return {"layers": n_layers, "graph_nodes": nodes, "calls_captured": captured,
+            "inlined_calls": sum(inlined.values()), "inlined": dict(inlined)}
+
+
+def per_block(small: dict, large: dict) -> dict:
+    """What one block adds, from the counts at two depths."""
+    blocks = large["layers"] - small["layers"]
+    by_function = {
+        name: (large["inlined"].get(name, 0) - small["inlined"].get(name, 0)) / blocks
+        for name in set(small["inlined"]) | set(large["inlined"])}
+    return {
+        "graph_nodes": (large["graph_nodes"] - small["graph_nodes"]) / blocks,
+        "calls_captured": (large["calls_captured"] - small["calls_captured"]) / blocks,
+        "inlined_calls": (large["inlined_calls"] - small["inlined_calls"]) / blocks,
+        "inlined": dict(sorted(((k, v) for k, v in by_function.items() if v),
+                               key=lambda item: (-item[1], item[0]))),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs=2, default=[2, 4])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--json", help="also write the counts here")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    small, large = (count(n, args.dim) for n in args.layers)
+    block = per_block(small, large)
+    for result in (small, large):
+        print(f"L={result['layers']}: graph nodes {result['graph_nodes']}, calls captured "
+              f"{result['calls_captured']}, inlined calls {result['inlined_calls']}")
+    print(f"per block: graph nodes {block['graph_nodes']:g}, calls captured "
+          f"{block['calls_captured']:g}, inlined calls {block['inlined_calls']:g}")
+    for name, n in block["inlined"].items():
+        print(f"  {n:6g}  {name}")
+    if args.json:
+        from fsdp_traceable.cli.bench_output import provenance
+
+        report = {"dim": args.dim, "depths": [small, large], "per_block": block,
+                  "provenance": provenance(ROOT)}
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
