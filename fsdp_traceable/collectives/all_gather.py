@@ -94,7 +94,7 @@ def foreach_all_gather(
                 "set one too)"
             )
         if copy_regions_in_use():
-            flat_input = copy_in_in_region(inputs, padded_numels, dtype)
+            flat_input = copy_in_in_region(inputs, layout, dtype)
         else:
             flat_input = copy_backends.all_gather_copy_in(inputs, padded_numels, dtype)
         return AllGatherResult(comm.all_gather(flat_input, group), layout, None)

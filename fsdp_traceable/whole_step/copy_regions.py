@@ -77,20 +77,25 @@ def copy_out_in_region(all_gather_output: torch.Tensor, layout: BucketLayout
 
 
 def _copy_in(key: int, *shards: torch.Tensor) -> torch.Tensor:
-    padded_numels, dtype, _ = _signature(key)
+    padded_numels, dtype, _, _, _ = _signature(key)
     return copy_backends.all_gather_copy_in(list(shards), padded_numels, dtype)
 
 
 _copy_in_region = keyed_region(_copy_in)
 
 
-def copy_in_in_region(shards: list[torch.Tensor], padded_numels: tuple[int, ...],
+def copy_in_in_region(shards: list[torch.Tensor], layout: BucketLayout,
                       dtype: torch.dtype) -> torch.Tensor:
-    """The all-gather input of a bucket's ``shards`` (``all_gather_copy_in``), as one
-    call of the copy-in region of their layout (see [Note: copy regions]). Called only
-    while a whole step traces its blocks as forward regions."""
-    shard_layouts = tuple((tuple(shard.shape), shard.dtype) for shard in shards)
-    signature = (padded_numels, dtype, shard_layouts)
+    """The all-gather input of ``layout``'s bucket from its ``shards`` (``layout``'s
+    sharded sizes; ``all_gather_copy_in``), as one call of the copy-in region of that
+    layout (see [Note: copy regions]). Called only while a whole step traces its blocks
+    as forward regions or Dynamo traces compiled autograd's graph with backward regions.
+    """
+    # The shapes from the layout, the dtypes in one comprehension: Dynamo traces a
+    # generator expression one frame per shard, and this runs once per block.
+    shard_dtypes = tuple([shard.dtype for shard in shards])
+    signature = (layout.padded_sharded_numels, dtype, layout.sharded_sizes_flat,
+                 layout.sharded_ndims, shard_dtypes)
     return _copy_in_region(_key_id(signature) + 0, *shards)
 
 
