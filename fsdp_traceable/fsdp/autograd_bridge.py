@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -55,14 +56,28 @@ class UnshardingGroup(Protocol):
     def take_accumulated_grads(self) -> dict[int, torch.Tensor] | None: ...
 
 
-def _sharded_grad(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    if grad.device.type == spec.mesh.device_type:
-        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
-                                  shape=spec.shape, stride=spec.stride)
-    # CPU offload on a GPU mesh: the gradient stays on the host, where from_local
-    # would move it to the mesh's device; wrapped as to_local's backward does.
-    meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
-    return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+class _GradLayout(NamedTuple):
+    """A sharded parameter's DTensor layout, which its sharded gradient takes: read from
+    its spec once at forward, so a backward that Dynamo traces (compiled autograd's,
+    once per block under per-block compile) reads fields instead of calling the spec's
+    ``shape`` and ``stride`` properties per gradient."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    device_type: str
+
+    @classmethod
+    def of(cls, spec: DTensorSpec) -> _GradLayout:
+        return cls(spec.mesh, spec.placements, spec.shape, spec.stride, spec.mesh.device_type)
+
+
+def _offloaded_grad(grad: torch.Tensor, layout: _GradLayout) -> DTensor:
+    """CPU offload on a GPU mesh: the gradient stays on the host, where from_local would
+    move it to the mesh's device; wrapped as to_local's backward does."""
+    meta = TensorMeta(layout.shape, layout.stride, grad.dtype)
+    return DTensor(grad, DTensorSpec(layout.mesh, layout.placements, tensor_meta=meta),
                    requires_grad=grad.requires_grad)
 
 
@@ -92,7 +107,8 @@ class UnshardParams(torch.autograd.Function):
         sharded = inputs[: len(inputs) - len(accumulated_indices)]
         ctx.save_for_backward(*inputs[len(sharded):])
         # See [Note: eager inputs are the parameters].
-        ctx.specs = [t._spec if isinstance(t, DTensor) else None for t in sharded]
+        ctx.grad_layouts = [_GradLayout.of(t._spec) if isinstance(t, DTensor) else None
+                            for t in sharded]
         sharded_locals = tuple(t._local_tensor if isinstance(t, DTensor) else t for t in sharded)
         unsharded = group.all_gather(sharded_locals, kept_piece)
         declare_grad_dtypes(ctx, group.params, unsharded)
@@ -108,8 +124,11 @@ class UnshardParams(torch.autograd.Function):
         # Eager only: see [Note: post-accumulate-grad hooks in eager backward].
         ctx.group.hide_post_accumulate_hooks()
         sharded_grads = [
-            grad if grad is None or spec is None else _sharded_grad(grad, spec)
-            for grad, spec in zip(sharded_grads, ctx.specs)
+            grad if grad is None or layout is None
+            else DTensor.from_local(grad, layout.mesh, layout.placements, run_check=False,
+                                    shape=layout.shape, stride=layout.stride)
+            if grad.device.type == layout.device_type else _offloaded_grad(grad, layout)
+            for grad, layout in zip(sharded_grads, ctx.grad_layouts)
         ]
         return (None, None, None, *sharded_grads, *[None] * len(accumulated))
 

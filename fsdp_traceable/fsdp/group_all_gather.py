@@ -47,7 +47,8 @@ def start_all_gather(
     sharded_locals = params.on_device(sharded_locals)
     # Traced too: Dynamo guards on the hooks it finds, so hooks set later recompile.
     extensions = params.extensions
-    if all(extension is None for extension in extensions):
+    # any() of the list, not all() of a generator, which Dynamo traces a frame per item.
+    if not any(extensions):  # an AllGatherExtension is true
         result = foreach_all_gather(sharded_locals, params.infos, group or params.shard_group,
                                     streams=streams, all_gather_comm=all_gather_comm,
                                     check=False, layout=params.layout)

@@ -24,6 +24,7 @@ from .features.all_gather_extensions import (
     AllGatherExtension,
     detect_extension,
     plain_without_hooks,
+    plain_without_hooks_all,
 )
 from .features.tensor_parallel import TensorParallelLayout, spmd_layout, tensor_parallel_layout
 from .sharded_params import (
@@ -128,11 +129,16 @@ class ParamShards:
     def extensions(self) -> list[AllGatherExtension | None]:
         """Per parameter: its all-gather hooks, as its local tensor has them now (looked
         up at every all-gather, as FSDP2 does: hooks may be set after ``fully_shard``)."""
+        locals_ = [param._local_tensor for param in self.sharded_params]
+        # One check of the whole group first: where Dynamo traces it (every re-gather of
+        # a per-block compiled backward), a call per parameter is a frame per parameter.
+        if plain_without_hooks_all(locals_):
+            return [None] * len(locals_)
         return [
-            None if plain_without_hooks(param._local_tensor) else
-            detect_extension(fqn, param._local_tensor, info, self.mesh, self.mp_policy, holder)
-            for fqn, param, info, holder in zip(
-                self.fqns, self.sharded_params, self.infos, self.first_holders)
+            None if plain_without_hooks(local) else
+            detect_extension(fqn, local, info, self.mesh, self.mp_policy, holder)
+            for fqn, local, info, holder in zip(
+                self.fqns, locals_, self.infos, self.first_holders)
         ]
 
     def unsharded_layout_key(self, grad_enabled: bool) -> tuple | None:

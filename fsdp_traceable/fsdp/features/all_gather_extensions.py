@@ -198,6 +198,16 @@ def plain_without_hooks(local: torch.Tensor) -> bool:
             and not hasattr(local, _POST_HOOK))
 
 
+def plain_without_hooks_all(locals_: Sequence[torch.Tensor]) -> bool:
+    """Whether every one of ``locals_`` is :func:`plain_without_hooks`: one frame where
+    Dynamo traces it, not one per tensor."""
+    for local in locals_:
+        if (type(local) is not torch.Tensor or hasattr(local, _PRE_HOOK)
+                or hasattr(local, _POST_HOOK)):
+            return False
+    return True
+
+
 def _hook_function(local: torch.Tensor, name: str) -> tuple[Callable[..., object], int] | None:
     """Hook ``name`` of ``local`` as (a function taking the tensor first, the number of
     arguments FSDP passes it), or ``None`` where ``local`` has no such hook.
