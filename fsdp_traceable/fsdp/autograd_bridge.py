@@ -194,8 +194,13 @@ def _eager_inputs(params: list[torch.nn.Parameter], nonempty: tuple[bool, ...]) 
 
 def _module_params(params: ParamShards) -> list[torch.nn.Parameter]:
     """The sharded parameters read from their modules' ``_parameters``; see
-    [Note: Dynamo reaches parameters through their module]."""
-    return [owner._parameters[name] for owner, name in zip(params.first_holders, params.first_names)]
+    [Note: Dynamo reaches parameters through their module]. A module that registers an
+    unsharded parameter (no ``nn.Parameter``: kept by an eager forward, see [Note:
+    registered parameters]) gives the group's own sharded one."""
+    registered = [owner._parameters[name]
+                  for owner, name in zip(params.first_holders, params.first_names)]
+    return [p if isinstance(p, torch.nn.Parameter) else params.sharded_params[i]
+            for i, p in enumerate(registered)]
 
 
 @outside_functorch_transforms  # see [Note: functorch transforms]

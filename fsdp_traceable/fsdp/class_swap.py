@@ -9,7 +9,7 @@ import torch.nn as nn
 from .features.module_compile import adopt_compiled_call
 from .fsdp_module import FSDPModule
 from .module_state import entry_of, is_sharded
-from .unsharded_binding import param_property, register_parameter
+from .unsharded_binding import holder_methods, param_property
 
 # The classes swapped in, per (module class, parameter names): process-wide, as FSDP2's
 # per-class cache. They hold no model state (the unsharded parameters live in each
@@ -25,7 +25,7 @@ def fsdp_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _fsdp_classes:
         attrs = {name: param_property(name) for name in names}
-        attrs["register_parameter"] = register_parameter
+        attrs.update(holder_methods())
         attrs["__deepcopy__"] = _deepcopy_unsupported
         _fsdp_classes[key] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
     return _fsdp_classes[key]

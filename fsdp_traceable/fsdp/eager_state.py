@@ -113,6 +113,14 @@ class EagerState:
             return None
         return [t.detach() for t in self._forward_unsharded]
 
+    @property
+    def held_unsharded(self) -> tuple[torch.Tensor, ...] | list[torch.Tensor] | None:
+        """The unsharded parameters held now, whatever changed since: those for (or kept
+        after) a backward, else forward's; ``None`` if none (the group is sharded)."""
+        if self._unsharded_for_backward is not None:
+            return self._unsharded_for_backward
+        return self._forward_unsharded
+
     def holds_forward_unsharded(self, versions: Callable[[], Versions]) -> bool:
         """Whether forward's parameters are held and no parameter changed since
         (``versions()``: the parameters' versions now, read only if some are held);

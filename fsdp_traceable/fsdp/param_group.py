@@ -35,6 +35,7 @@ from .group_state import GroupState
 from .param_shards import ParamShards
 from .root_state import RootState
 from .traced_phases import TracedPath
+from .unsharded_binding import register_bound, register_tensors
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,28 @@ log = logging.getLogger(__name__)
 # recomputed in backward, gradients returned through autograd). Both implement the same
 # steps; no phase branches on the path itself. Dynamo evaluates the choice while
 # tracing, so a graph holds the traced steps only.
+
+# [Note: registered parameters]
+# As FSDP2's (``FSDPParam.to_unsharded`` / ``to_sharded``), a group's modules register
+# (``module._parameters``: ``parameters()``, ``named_parameters()``, the attribute outside
+# forward) its unsharded parameters exactly while the group is unsharded, in eager mode:
+# from ``unshard()`` or the forward's all-gather to the forward's end
+# (``reshard_after_forward`` truthy) or to the backward's end (falsy: the root's default);
+# from the backward's re-gather to its end (or, with ``reshard_after_backward=False``,
+# to the next forward's end); and until ``reshard()``. Otherwise the sharded
+# ``nn.Parameter(DTensor)``s, which the optimizer holds. With ``reshard_after_forward=N``
+# the sharded DTensors are registered after forward (FSDP2 registers a DTensor over N
+# ranks: the same global shape and values). The registered unsharded tensor is the one
+# the attribute reads: during forward the group's all-gather output (not a leaf: its
+# gradient flows to the sharded parameter), outside forward a detached alias of it. It is
+# no ``nn.Parameter`` and never has a ``.grad`` (FSDP2's is a leaf whose ``.grad`` holds
+# the unsharded gradient until the reduce-scatter): gradients reach the sharded
+# parameters' ``.grad`` only. ``_register_params`` writes ``_parameters`` directly, past
+# the swapped-in ``register_parameter`` (a user's replacement); the swapped-in state-dict
+# methods reshard first, as FSDP2's state-dict pre-hooks do. Registration is an eager step:
+# a traced call registers nothing, so no graph changes, and a traced forward after an
+# eager one that left unsharded tensors registered reads the group's own sharded
+# parameters (``autograd_bridge._module_params``).
 
 
 class ParamGroup:
@@ -92,6 +115,9 @@ class ParamGroup:
         # traced/eager seam]).
         self._eager_state = EagerState()
         self._eager_path = EagerPath(self, self._eager_state)
+        # Whether the modules register unsharded parameters now (see [Note: registered
+        # parameters]).
+        self._registered_unsharded = False
         self._traced_path = TracedPath(self, self._eager_state)
 
     def _path(self) -> EagerPath | TracedPath:
@@ -179,6 +205,9 @@ class ParamGroup:
                 "parameters are unsharded (during forward, or after unshard()): replace it "
                 "between steps, after reshard()"
             )
+        if self._registered_unsharded:  # kept after a forward: dropped below
+            register_tensors(self.params.bindings, self.params.sharded_params)
+            self._registered_unsharded = False
         self.params.replace(index, param, register)
         self._eager_state.reset()
 
@@ -210,6 +239,7 @@ class ParamGroup:
             unsharded = unshard_params(self, recompute_in_backward=False)
         self._set_state(GroupState.UNSHARDED, unsharded)
         self.params.bind(unsharded)
+        self._register_params()
 
     def reshard(self) -> None:
         """Frees the unsharded parameters: those :meth:`unshard` gathered, a prefetched
@@ -220,6 +250,35 @@ class ParamGroup:
         with phase("reshard", self.name):
             self._eager_path.finish_prefetch()
             self._eager_state.drop_unsharded()
+        self._register_params()
+
+    def reshard_registered(self) -> None:
+        """Before the modules' state dict is saved or loaded: reshards (:meth:`reshard`)
+        if they register unsharded parameters that no forward is using, as FSDP2's
+        state-dict pre-hooks do (see [Note: registered parameters])."""
+        if self._registered_unsharded and (self._state is GroupState.UNSHARDED
+                                           or not self.params.is_bound):
+            self.reshard()
+
+    def _register_params(self) -> None:
+        """Eager: registers on the modules the unsharded parameters while the group
+        holds them, else the sharded ones (see [Note: registered parameters])."""
+        if comm.use_traced_path():
+            return
+        params = self.params
+        if params.is_bound:
+            register_bound(params.bindings)
+            self._registered_unsharded = True
+            return
+        held = self._eager_state.held_unsharded
+        if held is not None:
+            if params.has_tp_params:
+                held = [params.bound_value(i, t) for i, t in enumerate(held)]
+            register_tensors(params.bindings, held)
+            self._registered_unsharded = True
+        elif self._registered_unsharded:
+            register_tensors(params.bindings, params.sharded_params)
+            self._registered_unsharded = False
 
     def reset_iter_state(self) -> None:
         """Ends a ``fully_shard([a, b])`` forward pass left open and forgets no-sync
@@ -228,6 +287,7 @@ class ParamGroup:
             self._release_shared()
         self._eager_state.keep_accumulated_grads(None)
         self._eager_state.keep_partial_reduce_output(None)
+        self._register_params()
 
     # -- gathering ----------------------------------------------------------------------
 
@@ -241,6 +301,7 @@ class ParamGroup:
         e.g. ``to_empty``, may have replaced them); forgets what eager kept of the old ones."""
         self.params.refresh()
         self._eager_state.reset()
+        self._registered_unsharded = False  # the module's _apply resharded first
 
     def prefetch(self) -> None:
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
@@ -358,6 +419,7 @@ class ParamGroup:
         if scope.bound:
             return scope
         self.params.bind(scope.unsharded)
+        self._register_params()
         return scope._replace(bound=True)
 
     def unbind_forward(self, scope: ForwardScope) -> ForwardScope:
@@ -369,6 +431,7 @@ class ParamGroup:
         if not scope.bound:
             return scope
         self.params.unbind()
+        self._register_params()
         return scope._replace(bound=False)
 
     @labelled("post_forward")
@@ -399,6 +462,7 @@ class ParamGroup:
                 for other in self._list_groups:
                     if other._state is GroupState.LIST_FORWARD:
                         other._release_shared()
+        self._register_params()
         if self.params.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.params.mp_policy.output_dtype)
         return output
@@ -413,6 +477,7 @@ class ParamGroup:
             self._release_shared()
         elif scope.unsharded is not None:
             self._release(scope.unsharded, scope.bound)
+        self._register_params()
 
     def _release_shared(self) -> None:
         """Ends a ``fully_shard([a, b])`` group's forward pass."""
@@ -439,6 +504,7 @@ class ParamGroup:
         first saved tensor its backward unpacks), then prefetches per the group's order."""
         if self._eager_state.unsharded_for_backward is None:
             self._unshard_for_backward()
+            self._register_params()
         return self._eager_state.unsharded_for_backward
 
     def param_in_backward(self, owner: nn.Module, name: str) -> torch.Tensor:
@@ -474,6 +540,7 @@ class ParamGroup:
         if self.settings.reshard_after_backward:
             with phase("reshard", self.name):
                 self._eager_state.drop_for_backward()
+            self._register_params()
 
     @labelled("post_backward")
     def post_backward(
@@ -504,6 +571,7 @@ class ParamGroup:
         path = self._path()
         path.begin_post_backward()
         self._eager_state.end_backward(self.settings.reshard_after_backward)
+        self._register_params()
         if not accumulated:
             accumulated = self._eager_state.take_accumulated_grads()
         grads = gradients_to_reduce(self.params, self.settings, unsharded_grads, accumulated)
@@ -562,6 +630,7 @@ class ParamGroup:
             self.post_backward((None,) * len(self.params.sharded_params))
         elif self.settings.reshard_after_backward:
             self._eager_state.end_backward(reshard_after_backward=True)
+        self._register_params()
 
     def hide_post_accumulate_hooks(self) -> None:
         """After its backward: autograd must not run the parameters'

@@ -27,7 +27,12 @@ from fsdp_traceable import FSDPModule, fully_shard
 from fsdp_traceable.collectives.grad_dtypes import keeps_wider_grads
 from fsdp_traceable.fsdp.arguments import ArgumentTypeError
 from fsdp_traceable.testing.local_ranks import run_on_local_ranks
-from tests.fsdp import checkpoint_cases, feature_cases, training_behaviour_cases
+from tests.fsdp import (
+    checkpoint_cases,
+    feature_cases,
+    registration_cases,
+    training_behaviour_cases,
+)
 from tests.fsdp.feature_cases import (
     N_GROUPS,
     assert_bitwise,
@@ -49,6 +54,7 @@ def _two_rank_cases(directory: str) -> list[tuple[str, Callable, tuple]]:
         ("tied_in_one_group", feature_cases.tied_in_one_group, ()),
         ("tied_across_groups", feature_cases.tied_across_groups, ()),
         ("embedding_own_group", feature_cases.embedding_own_group, ()),
+        ("registered_params", registration_cases.registered_params, ()),
         ("state_dict", checkpoint_cases.state_dict_round_trip, ()),
         ("dcp", checkpoint_cases.dcp_cross_load, (directory,)),
         *((name, fn, ()) for name, fn in training_behaviour_cases.CASES),
@@ -162,6 +168,27 @@ def test_unshard_reshard_and_reshard_after_backward_match_fsdp2(two_ranks):
         assert second == N_GROUPS - 1
         for key in ("all_gathers_after_unshard", "all_gathers_kept_after_backward"):
             assert result["ours"][key] == result["theirs"][key]
+
+
+@pytest.mark.gloo
+def test_registered_params_follow_fsdp2_unsharded_while_unsharded(two_ranks):
+    # named_parameters() at each point of a step: FSDP2's kinds (DTensor while sharded,
+    # the unsharded plain tensors while unsharded), global shapes and full values.
+    for result in case_results(two_ranks, "registered_params"):
+        for reshard in registration_cases.RESHARD_AFTER_FORWARD:
+            theirs, ours = result[f"theirs_{reshard}"], result[f"ours_{reshard}"]
+            assert list(ours) == list(theirs)
+            for point, snapshot in theirs.items():
+                kinds = [entry[:3] for entry in ours[point]]
+                assert kinds == [entry[:3] for entry in snapshot], (reshard, point)
+                assert_bitwise([entry[3] for entry in snapshot],
+                               [entry[3] for entry in ours[point]], f"{reshard} {point}")
+            # Not vacuous: the last block is unsharded inside its forward, the root
+            # (reshard_after_forward falsy by default) after it.
+            assert not any(is_dtensor for name, is_dtensor, *_ in ours["inside_forward"]
+                           if name.startswith("blocks.1."))
+            assert any(not is_dtensor for _, is_dtensor, *_ in ours["after_forward"]) == (
+                not reshard)
 
 
 @pytest.mark.gloo
