@@ -30,7 +30,7 @@ from .class_swap import fsdp_class, swap_class
 from .features.tensor_parallel import data_parallel_mesh
 from .fsdp_module import FSDPModule
 from .group_settings import GroupSettings
-from .module_state import register_state, replicated, state_of
+from .module_state import arm_shared_param_check, register_state, replicated, state_of
 from .param_group import ParamGroup
 from .param_shards import ParamShards
 from .root_state import RootState
@@ -127,7 +127,7 @@ def fully_shard(
     reshard = reshard_after_forward_flag(reshard_after_forward, mesh)
     offload_to_cpu = check_offload_policy(offload_policy)
     ignored = ignored_param_ids(ignored_params)
-    owned = _managed_params(modules, ignored)
+    owned, shared = _managed_params(modules, ignored)
     _patch_torch()
     partial_reshard = None if isinstance(reshard, bool) or reshard is None else reshard
     params = ParamShards(
@@ -159,7 +159,7 @@ def fully_shard(
     for owner, names in owner_names.values():
         if id(owner) not in roots:
             swap_class(owner, owner_class(type(owner), tuple(names)))
-    register_state(modules, group)
+    register_state(modules, group).shared_params = shared
     for m in modules:
         swap_class(m, fsdp_class(type(m), tuple(owner_names.get(id(m), (None, []))[1])))
         forward_regions.register(m)
@@ -199,14 +199,18 @@ def _log_group(group: ParamGroup, modules: list[nn.Module], reshard: bool | int 
 
 def _managed_params(
     modules: list[nn.Module], ignored: set[int]
-) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """``(fqn, param, [(owner, name), ...])`` for each parameter this call manages.
+) -> tuple[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], list[str]]:
+    """``(fqn, param, [(owner, name), ...])`` for each parameter this call manages, and
+    the paths of those it leaves to another call's group.
 
     FSDP2's order: each module's submodules outside other ``fully_shard`` calls,
     children before parents, modules in list order; ``ignored`` (parameter ids) are
-    left out. With several modules, names are prefixed with the module's list index.
+    left out, and so are parameters another ``fully_shard`` call already manages (see
+    [Note: shared parameters across groups]). With several modules, names are
+    prefixed with the module's list index.
     """
     managed: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    shared: dict[int, str] = {}
     sharded_elsewhere: set[int] = set()
     for module in modules:
         for sub in module.modules():
@@ -226,16 +230,8 @@ def _managed_params(
                         "parents, the root last"
                     )
                 if id(param) in sharded_elsewhere or param in _replaced_params:
-                    # FSDP2 accepts the call and raises this ValueError in the first
-                    # forward; a model sharded so can never train, so it fails here,
-                    # before any module is changed.
-                    raise ValueError(
-                        f"parameter {fqn!r} is shared with a parameter already managed by "
-                        "another FSDP group (fully_shard call); shared parameters must be in "
-                        "one group: pass the modules that use it together, "
-                        "fully_shard([module_a, module_b]), or apply fully_shard to a common "
-                        "ancestor of them"
-                    )
+                    shared.setdefault(id(param), fqn)  # the root's first forward raises
+                    continue
                 if param.ndim == 0:
                     raise ValueError(
                         f"fully_shard doesn't support scalar parameters: {fqn!r} is 0-dim. "
@@ -260,7 +256,7 @@ def _managed_params(
             "(e.g. module.float(); use mp_policy for lower-precision compute), or apply "
             "fully_shard to the submodules of each dtype separately"
         )
-    return params
+    return params, list(shared.values())
 
 
 def _modules_outside_fsdp(module: nn.Module, prefix: str = ""):
@@ -301,6 +297,7 @@ def _link_groups(root: FSDPModule) -> None:
             state_of(m).next_groups = groups[i + 1 : i + 2]
     for module in activation_checkpointing.inside_checkpoint_wrappers(root, FSDPModule):
         module._fsdp_group.configure(inside_checkpoint_wrapper=True)
+    arm_shared_param_check(root)
     root_state = RootState()
     list_groups = [g for g in groups[1:] if len(g.modules) > 1]
     for i, group in enumerate(groups):

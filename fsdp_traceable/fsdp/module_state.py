@@ -18,10 +18,7 @@ registered forward method), ``_comm_ctx`` (``share_comm_ctx``), ``_is_root``,
 runs), ``_modules_to_run_forward``, ``_fsdp_param_group`` (the module path and each
 parameter's path), ``_state_ctx.all_states`` and the pipeline calls below.
 
-It is not an instance of torch's ``FSDPState`` and is not entered in torch's
-module-to-state mapping: torch's code that finds an ``FSDPState`` there (FSDP2's own
-lazy init of an enclosing torch ``fully_shard`` root, ``_get_managed_modules``) would
-drive the module with FSDP2's internals. See docs/api.md.
+See [Note: torch's FSDPState and ours].
 
 [Note: pipeline schedules]
 torch's pipeline stages and schedules take their FSDP path for any
@@ -43,12 +40,14 @@ changed.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils.hooks import RemovableHandle
 
 from ..collectives import comm
 from .module_hooks import InnerHooks
@@ -76,6 +75,55 @@ try:
     from torch.distributed._composable.contract import RegistryItem as _RegistryItem
 except ImportError:  # pragma: no cover - every supported torch has them
     _REGISTRY_KEY = _RegistryItem = None
+
+
+# [Note: torch's FSDPState and ours]
+# FSDPModuleState is an instance of torch's FSDPState and is entered in torch's
+# module-to-state mapping (torch.distributed._composable_state), as FSDP2's state is:
+# torch's code that looks a module's FSDP state up there then finds ours.
+# - _get_managed_modules (torch's fully_shard on an enclosing module, and FSDP2's
+#   users) leaves our modules and their parameters out, as it leaves FSDP2's nested
+#   modules out.
+# - FSDPModule._get_fsdp_state: ours overrides it (fsdp_module.py) and returns this.
+# - replicate (torch's FSDP-based one) looks for its own state class only.
+# - FSDP2's lazy init of an enclosing torch fully_shard root would take this state
+#   over with FSDP2's internals (comm contexts, FSDPParam groups) that ours does not
+#   have. Its first read of it (``_state_ctx`` on torch 2.15, ``_is_root`` before),
+#   recognised by the caller's code object (FSDPState._lazy_init's), raises
+#   MixedFullyShardError instead (writing ``_is_root`` always does), at the torch
+#   root's first forward: apply our fully_shard to the enclosing modules too. (Before
+#   the state was in the mapping, torch's fully_shard took our sharded parameters for
+#   tensor-parallel ones and, on a mesh without dim names, failed inside torch with a
+#   TypeError.)
+# FSDPState.__init__ is not run: the attributes it sets are answered by this class's
+# properties, or belong to FSDP2's hooks and lazy init, which ours does not use
+# (FSDP2's hooks are registered by FSDPState.init, never called on ours). The mapping
+# holds the module and the state weakly: the module's entry keeps its state alive, and
+# the module going frees both.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState as _TorchFSDPState
+except ImportError:  # pragma: no cover - every supported torch has it
+    _TorchFSDPState = object  # type: ignore[assignment,misc]
+try:
+    from torch.distributed._composable_state import _insert_module_state
+except ImportError:  # pragma: no cover - every supported torch has it
+    _insert_module_state = None
+
+
+class MixedFullyShardError(RuntimeError):
+    """torch's ``fully_shard`` (FSDP2) applied to a module that encloses modules sharded by
+    ours: FSDP2's lazy init cannot drive them."""
+
+
+def _fsdp2_lazy_init_root() -> nn.Module | None:
+    """If FSDP2's lazy init (``FSDPState._lazy_init`` of a torch ``fully_shard`` root)
+    is what reads the state's attribute now: that root's module (else ``None``)."""
+    lazy_init = getattr(_TorchFSDPState, "_lazy_init", None)
+    frame = sys._getframe(3)  # the caller of the state's property
+    if lazy_init is None or frame.f_code is not lazy_init.__code__:
+        return None
+    modules = getattr(frame.f_locals.get("self"), "_modules", None)
+    return modules[0] if modules else None
 
 
 # Where each module's ModuleEntry lives (and so its state, also where this torch has no
@@ -121,6 +169,8 @@ class ModuleEntry:
         self.instance_forward: Callable[..., Any] | None = module.__dict__.pop("forward", None)
         # module.compile()'s compiled compute: see [Note: per-module compile].
         self.compiled_compute: Callable[..., Any] | None = None
+        # The root's check of [Note: shared parameters across groups], where it has one.
+        self.shared_param_check: RemovableHandle | None = None
 
 
 def register_state(modules: list[nn.Module], group: ParamGroup) -> FSDPModuleState:
@@ -138,11 +188,85 @@ def register_state(modules: list[nn.Module], group: ParamGroup) -> FSDPModuleSta
     state = FSDPModuleState(modules, group)
     for module in modules:
         module.__dict__[_OWN_KEY] = ModuleEntry(state, module)
+        if _insert_module_state is not None:  # see [Note: torch's FSDPState and ours]
+            _insert_module_state(module, state)
         if _STATE_KEY is not None and _STATE_FUNC is not None:
             module.__dict__.setdefault(_STATE_KEY, {})[_STATE_FUNC] = state
         if _REGISTRY_KEY is not None:  # see [Note: replicate and fully_shard]
             module.__dict__.setdefault(_REGISTRY_KEY, {}).setdefault("fully_shard", _RegistryItem())
     return state
+
+
+# [Note: shared parameters across groups]
+# A parameter used by modules that separate fully_shard calls shard (a tied embedding
+# and output projection sharded one by one) can only be in one group. As FSDP2,
+# the later call accepts the modules, and the root's first forward raises FSDP2's
+# ValueError, before any collective (FSDP2: its root's lazy init,
+# _validate_no_duplicate_params). The later call leaves the parameter as it is, to
+# the group that manages it (nothing is sharded twice), and records its path in its
+# state's shared_params; the root's fully_shard (fully_shard._link_groups) gives the
+# root a forward pre-hook, run before ours and torch's other hooks, that raises the
+# error. The hook exists only where a parameter is shared so, and raises the same
+# message when Dynamo traces it. _lazy_init() raises it too.
+
+
+def shared_param_error(root: nn.Module) -> str | None:
+    """The error of [Note: shared parameters across groups] for the first parameter under
+    ``root`` left to another group, named by its path from ``root``; ``None`` if none."""
+    for path, module in root.named_modules():
+        state = state_of(module)
+        if state is not None and state.shared_params and state._modules[0]() is module:
+            fqn = state.shared_params[0]
+            fqn = f"{path}.{fqn}" if path else fqn
+            return (
+                f"parameter {fqn!r} is shared with a parameter already managed by another "
+                "FSDP group (fully_shard call); shared parameters must be in one group: pass "
+                "the modules that use it together, fully_shard([module_a, module_b]), or "
+                "apply fully_shard to a common ancestor of them"
+            )
+    return None
+
+
+def arm_shared_param_check(root: nn.Module) -> None:
+    """Gives ``root`` (the latest ``fully_shard`` call, its groups just linked) the
+    forward pre-hook of [Note: shared parameters across groups] where a parameter under
+    it is shared across groups, and takes it off the states below it, no longer roots.
+
+    Args:
+        root: the root ``fully_shard``-ed module.
+    """
+    for module in root.modules():
+        entry = module.__dict__.get(_OWN_KEY)
+        if entry is not None and entry.shared_param_check is not None:
+            entry.shared_param_check.remove()
+            entry.shared_param_check = None
+    message = shared_param_error(root)
+    if message is None:
+        return
+
+    def raise_shared_param_error(module: nn.Module, args: tuple) -> None:
+        raise ValueError(message)
+
+    # nn.Module's own registration: FSDPModule's runs a hook between unshard and reshard.
+    entry_of(root).shared_param_check = nn.Module.register_forward_pre_hook(
+        root, raise_shared_param_error, prepend=True)
+
+
+def _mixed_error(torch_root: nn.Module | None, state: FSDPModuleState) -> MixedFullyShardError:
+    """The error of FSDP2's lazy init reaching our state: see [Note: torch's FSDPState
+    and ours]."""
+    module = state._modules[0]()
+    ours = type(module).__name__ if module is not None else "a module"
+    paths = [] if torch_root is None else [
+        path for path, m in torch_root.named_modules() if m is module]
+    ours = f"{paths[0]!r} ({ours})" if paths else ours
+    enclosing = f" on {type(torch_root).__name__}" if torch_root is not None else ""
+    return MixedFullyShardError(
+        f"torch's fully_shard (FSDP2){enclosing} encloses {ours}, which "
+        "fsdp_traceable's fully_shard sharded: FSDP2 cannot run modules sharded by "
+        "fsdp_traceable. Apply fsdp_traceable's fully_shard to the enclosing modules "
+        "too (from fsdp_traceable import fully_shard), not torch's"
+    )
 
 
 def replicated(module: nn.Module) -> bool:
@@ -221,11 +345,14 @@ class _StateContext:
         return True  # nothing of ours waits for it (see FSDPModule.set_is_last_backward)
 
 
-class FSDPModuleState:
-    """One ``fully_shard`` call's state, shaped as FSDP2's ``FSDPState`` (see the module
-    docstring). Holds its modules weakly: a module's state never keeps it alive."""
+class FSDPModuleState(_TorchFSDPState):
+    """One ``fully_shard`` call's state, an instance of torch's ``FSDPState`` shaped as
+    FSDP2's where torch's code reads it (see the module docstring and [Note: torch's
+    FSDPState and ours]). Holds its modules weakly: a module's state never keeps it
+    alive."""
 
     def __init__(self, modules: list[nn.Module], group: ParamGroup) -> None:
+        # FSDPState.__init__ is not run: see [Note: torch's FSDPState and ours].
         self._modules = [weakref.ref(m) for m in modules]
         # FSDP2's _fsdp_param_group: the call's parameters, settings and life cycle.
         self.group = group
@@ -236,6 +363,9 @@ class FSDPModuleState:
         self._lazy_initialized = False
         # The scopes of the registered forward methods running now (they nest).
         self._scopes: list[ForwardScope] = []
+        # Paths (from the call's module) of the parameters this call left to the group
+        # that already manages them: see [Note: shared parameters across groups].
+        self.shared_params: list[str] = []
 
     def _owner(self) -> nn.Module:
         module = self._modules[0]()
@@ -270,9 +400,21 @@ class FSDPModuleState:
 
     # -- what FSDP2's users and tests read ------------------------------------------------
 
+    def _refuse_fsdp2_lazy_init(self) -> None:
+        """Raises :class:`MixedFullyShardError` where FSDP2's lazy init reads the state:
+        see [Note: torch's FSDPState and ours]."""
+        torch_root = _fsdp2_lazy_init_root()
+        if torch_root is not None:
+            raise _mixed_error(torch_root, self)
+
     @property
     def _is_root(self) -> bool:
+        self._refuse_fsdp2_lazy_init()  # its first read on torch 2.11 and 2.13
         return self._group.settings.is_root
+
+    @_is_root.setter
+    def _is_root(self, value: bool | None) -> None:
+        raise _mixed_error(None, self)
 
     @property
     def _modules_to_run_forward(self) -> set[nn.Module]:
@@ -294,15 +436,29 @@ class FSDPModuleState:
                 raise RuntimeError(
                     f"FSDP state has already been lazily initialized for {path}\n"
                     "FSDP requires running forward through the root module first")
+        self._validate_no_duplicate_params()
         for module in root.modules():
             state = state_of(module)
             if state is not None:
                 state._lazy_initialized = True
 
+    def _validate_no_duplicate_params(self) -> None:
+        """FSDP2's check of the root's lazy init: no parameter under this root was left
+        by one ``fully_shard`` call to another's group (see [Note: shared parameters
+        across groups]).
+
+        Raises:
+            ValueError: naming the first such parameter and the fix.
+        """
+        message = shared_param_error(self._owner())
+        if message is not None:
+            raise ValueError(message)
+
     # -- torch's pipeline stages: see [Note: pipeline schedules] ---------------------------
 
     @property
     def _state_ctx(self) -> _StateContext:
+        self._refuse_fsdp2_lazy_init()  # its first read on torch 2.15
         return _StateContext(self._owner())
 
     @property

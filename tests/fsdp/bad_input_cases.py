@@ -69,7 +69,7 @@ def _root_then_child(mesh: DeviceMesh, shard: FullyShard) -> None:
 
 
 def _tied_across_groups(mesh: DeviceMesh, shard: FullyShard) -> None:
-    """Ours rejects the second call; FSDP2 accepts it and raises in the first forward."""
+    """Both accept the second call and raise in the first forward (its root's)."""
     model = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4, bias=False))
     model[1].weight = model[0].weight
     shard(model[1], mesh=mesh)

@@ -199,7 +199,7 @@ def test_tied_weights_in_one_group_match_fsdp2(two_ranks):
 
 
 @pytest.mark.gloo
-def test_weight_shared_by_two_groups_raises_at_fully_shard(two_ranks):
+def test_weight_shared_by_two_groups_raises_at_the_first_forward(two_ranks):
     for result in case_results(two_ranks, "tied_across_groups"):
         assert "'tok_embeddings.weight'" in result["root"]
         assert "'weight'" in result["embedding"]

@@ -36,6 +36,9 @@ _REGISTRIES: dict[str, Callable[[], int]] = {
     "class_swap._fsdp_classes": lambda: len(_module("fsdp.class_swap")._fsdp_classes),
     "unsharded_binding._owner_classes": lambda: len(
         _module("fsdp.unsharded_binding")._owner_classes),
+    # torch's, where each fully_shard-ed module's state is also entered
+    "torch _composable_state._module_state_mapping": lambda: len(
+        importlib.import_module("torch.distributed._composable_state")._module_state_mapping),
 }
 
 
