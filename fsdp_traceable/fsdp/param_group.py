@@ -263,22 +263,24 @@ class ParamGroup:
     def _register_params(self) -> None:
         """Eager: registers on the modules the unsharded parameters while the group
         holds them, else the sharded ones (see [Note: registered parameters])."""
-        if comm.use_traced_path():
+        if torch.compiler.is_compiling():  # a constant to Dynamo: nothing traced here
             return
         params = self.params
-        if params.is_bound:
-            register_bound(params.bindings)
-            self._registered_unsharded = True
+        bound = params.is_bound
+        held = None if bound else self._eager_state.held_unsharded
+        if not bound and held is None and not self._registered_unsharded:
+            return  # sharded, and the sharded parameters registered: the common case
+        if comm.use_traced_path():  # compiled autograd's capture; collectives_path="traced"
             return
-        held = self._eager_state.held_unsharded
-        if held is not None:
+        if bound:
+            register_bound(params.bindings)
+        elif held is not None:
             if params.has_tp_params:
                 held = [params.bound_value(i, t) for i, t in enumerate(held)]
             register_tensors(params.bindings, held)
-            self._registered_unsharded = True
-        elif self._registered_unsharded:
+        else:
             register_tensors(params.bindings, params.sharded_params)
-            self._registered_unsharded = False
+        self._registered_unsharded = held is not None or bound
 
     def reset_iter_state(self) -> None:
         """Ends a ``fully_shard([a, b])`` forward pass left open and forgets no-sync
