@@ -169,7 +169,10 @@ def test_a_forward_set_on_the_instance_runs_inside_the_groups_forward(fake_mesh)
     after.forward = instance_forward_of(after, "after")
     for linear in (before, after):
         assert linear(torch.ones(2, 4)).shape == (2, 6)
-        assert isinstance(linear.weight, DTensor)  # resharded after forward
+        # A root keeps its unsharded parameters (registered) after forward, as FSDP2's.
+        assert not isinstance(linear.weight, DTensor)
+        linear.reshard()
+        assert isinstance(linear.weight, DTensor)
     assert seen == [("before", torch.Tensor, (6, 4)), ("after", torch.Tensor, (6, 4))]
     del after.forward
     after(torch.ones(2, 4))
