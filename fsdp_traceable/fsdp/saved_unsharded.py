@@ -37,8 +37,30 @@ class RegatheringGroup(Protocol):
 _PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
+class _Regathered:
+    """The parameters one group's tokens unpack to within one traced backward.
+
+    [Note: a traced unpack asks its group once]
+    Where Dynamo traces a backward (compiled autograd's, per-block compile: every
+    block's saved tokens), each token's unpack asking its group again is a few more
+    inlined frames per saved parameter, per block. The first unpack of a group's
+    tokens asks it (``pre_backward``: the traced re-gather) and keeps the answer here,
+    which the group's other tokens read; a callback at the backward's end clears it,
+    so the trace leaves nothing here and the next backward asks again. Eager, every
+    unpack asks the group, which holds its parameters only as long as it decides
+    (they are freed after its own backward), so this never holds them.
+    """
+
+    def __init__(self, group: RegatheringGroup) -> None:
+        self.group = group
+        self.unsharded: list[torch.Tensor] | None = None
+
+    def clear(self) -> None:
+        self.unsharded = None
+
+
 class _SavedUnshardedView(NamedTuple):
-    group: RegatheringGroup
+    regathered: _Regathered
     index: int
     attr: str | None  # the inner tensor of a wrapper-subclass parameter, or None
     size: torch.Size
@@ -77,19 +99,21 @@ class SavedUnsharded:
     forward, and the saved-tensor hooks that swap them for tokens."""
 
     def __init__(self) -> None:
-        # storage key (_storage_key) -> (group, parameter index, dtype, inner attribute or None,
-        # storage offset) of every unsharded parameter (or inner tensor of one) registered.
-        self._live: dict[int, tuple[RegatheringGroup, int, torch.dtype, str | None, int]] = {}
+        # storage key (_storage_key) -> (the group's _Regathered, parameter index, dtype,
+        # inner attribute or None, storage offset) of every unsharded parameter (or inner
+        # tensor of one) registered.
+        self._live: dict[int, tuple[_Regathered, int, torch.dtype, str | None, int]] = {}
 
     def __len__(self) -> int:
         return len(self._live)
 
     def register(self, group: RegatheringGroup, unsharded: list[torch.Tensor]) -> None:
         """Saves of ``unsharded`` (``group``'s parameters, by index) become tokens."""
+        regathered = _Regathered(group)
         for index, tensor in enumerate(unsharded):
             for attr, storage_tensor in _storage_tensors(tensor):
                 self._live[_storage_key(storage_tensor)] = (
-                    group, index, storage_tensor.dtype, attr, storage_tensor.storage_offset())
+                    regathered, index, storage_tensor.dtype, attr, storage_tensor.storage_offset())
 
     def unregister(self, unsharded: list[torch.Tensor]) -> None:
         """Ends what :meth:`register` started (the forward that gathered them ended)."""
@@ -108,9 +132,9 @@ class SavedUnsharded:
         entry = self._live.get(_storage_key(tensor))
         if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
             return None
-        group, index, _, attr, param_offset = entry
+        regathered, index, _, attr, param_offset = entry
         return _SavedUnshardedView(
-            group, index, attr, tensor.size(), tensor.stride(),
+            regathered, index, attr, tensor.size(), tensor.stride(),
             tensor.storage_offset() - param_offset
         )
 
@@ -133,7 +157,16 @@ class SavedUnsharded:
 
 
 def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
-    base = saved.group.pre_backward()[saved.index]
+    regathered = saved.regathered
+    if not torch.compiler.is_compiling():
+        unsharded = regathered.group.pre_backward()
+    elif regathered.unsharded is None:
+        # See [Note: a traced unpack asks its group once].
+        unsharded = regathered.unsharded = regathered.group.pre_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(regathered.clear)
+    else:
+        unsharded = regathered.unsharded
+    base = unsharded[saved.index]
     if saved.attr is not None:
         base = getattr(base, saved.attr)
     if saved.offset == 0 and base.size() == saved.size and base.stride() == saved.stride:
