@@ -101,9 +101,11 @@ def forward_regions_in_use() -> bool:
     """Whether ``fully_shard`` forwards run as nested compile regions now: a whole step
     is being traced (Dynamo traces ``backward()`` itself) with forward regions enabled
     (:func:`forward_regions_enabled`). See [Note: forward regions]."""
-    return (forward_regions_enabled() and torch.compiler.is_compiling()
+    # The cheap checks first: Dynamo traces this per block of a per-block compiled
+    # backward, where trace_autograd_ops is off and no further frame is needed.
+    return (torch.compiler.is_compiling()
             and getattr(torch._dynamo.config, "trace_autograd_ops", False)
-            and regions_available())
+            and forward_regions_enabled() and _REGIONS_AVAILABLE)
 
 
 def compiled_autograd_regions_in_use() -> bool:
@@ -112,7 +114,7 @@ def compiled_autograd_regions_in_use() -> bool:
     of the eager hooks compiled autograd captured run their copies as region calls too
     (see [Note: copy regions])."""
     return (config.backward_regions and torch.compiler.is_compiling()
-            and compiled_autograd_tracing() and regions_available())
+            and compiled_autograd_tracing() and _REGIONS_AVAILABLE)
 
 
 def copy_regions_in_use() -> bool:

@@ -50,7 +50,9 @@ def use_traced_path() -> bool:
     [Note: eager path and traced path])."""
     path = config.collectives_path
     if path == "auto":
-        return is_tracing()
+        # is_compiling() first: where Dynamo traces this (per block of a per-block
+        # compiled backward, several times), it answers without another frame.
+        return torch.compiler.is_compiling() or is_tracing()
     if path not in ("traced", "eager"):
         raise ValueError(
             f"fsdp_traceable.config.collectives_path={path!r}; use 'auto', 'traced' or 'eager'"
