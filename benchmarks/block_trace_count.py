@@ -17,35 +17,11 @@ Run: ``python benchmarks/block_trace_count.py`` (``--json PATH`` also writes the
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import json
 import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def _counting_inlines(counts: collections.Counter) -> object:
-    """Counts every function Dynamo inlines, by ``name (file:line)``, while active."""
-    from torch._dynamo.symbolic_convert import InliningInstructionTranslator
-
-    original = InliningInstructionTranslator.inline_call_
-
-    def inline_call_(self):
-        code = self.f_code
-        where = pathlib.Path(code.co_filename)
-        short = "/".join(where.parts[-2:])
-        counts[f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name} "
-               f"({short}:{code.co_firstlineno})"] += 1
-        return original(self)
-
-    InliningInstructionTranslator.inline_call_ = inline_call_
-    try:
-        yield
-    finally:
-        InliningInstructionTranslator.inline_call_ = original
 
 
 def count(n_layers: int, dim: int) -> dict:
@@ -56,11 +32,11 @@ def count(n_layers: int, dim: int) -> dict:
 
     import fsdp_traceable
     from fsdp_traceable.introspection.fake_world import fake_process_group
+    from fsdp_traceable.introspection.inlined_calls import count_inlined_calls
     from fsdp_traceable.models.transformer import Transformer, TransformerConfig, shard_transformer
 
     cfg = TransformerConfig(vocab_size=96, dim=dim, n_layers=n_layers, n_heads=4,
                             hidden_dim=dim + dim // 2, max_seq_len=12)
-    inlined: collections.Counter = collections.Counter()
     with fake_process_group(2):
         torch.manual_seed(0)
         model = shard_transformer(Transformer(cfg), fsdp_traceable.fully_shard)
@@ -72,7 +48,7 @@ def count(n_layers: int, dim: int) -> dict:
                                generator=torch.Generator().manual_seed(1))
         loss = model.loss(tokens, torch.roll(tokens, 1, dims=1))
         captured_before = counters["stats"].get("calls_captured", 0)
-        with _counting_inlines(inlined), torch._dynamo.compiled_autograd._enable(compiler):
+        with count_inlined_calls() as inlined, torch._dynamo.compiled_autograd._enable(compiler):
             loss.backward()
         captured = counters["stats"].get("calls_captured", 0) - captured_before
         (graph,) = backend.graphs
