@@ -68,9 +68,11 @@ log = logging.getLogger(__name__)
 # parameters' ``.grad`` only. ``_register_params`` writes ``_parameters`` directly, past
 # the swapped-in ``register_parameter`` (a user's replacement); the swapped-in state-dict
 # methods reshard first, as FSDP2's state-dict pre-hooks do. Registration is an eager step:
-# a traced call registers nothing, so no graph changes, and a traced forward after an
-# eager one that left unsharded tensors registered reads the group's own sharded
-# parameters (``autograd_bridge._module_params``).
+# a traced call registers nothing, so no graph changes. A traced forward after an eager
+# step that left unsharded tensors registered (``unshard()``, a forward that keeps them)
+# reads the group's own sharded parameters (``autograd_bridge._module_params``) and, at
+# its end, registers them again (``_unregister_in_trace``: a side effect Dynamo replays
+# after the graph, traced only then; a traced backward changes nothing).
 
 
 class ParamGroup:
@@ -259,6 +261,16 @@ class ParamGroup:
         if self._registered_unsharded and (self._state is GroupState.UNSHARDED
                                            or not self.params.is_bound):
             self.reshard()
+
+    def _unregister_in_trace(self) -> None:
+        """A traced forward's end: registers the sharded parameters again where an eager
+        ``unshard()`` (or a forward that kept them) registered unsharded ones, which
+        the traced forward used and freed. A side effect Dynamo replays after the graph,
+        traced only where the flag was set when it traced (see [Note: registered
+        parameters])."""
+        if self._registered_unsharded:
+            register_tensors(self.params.bindings, self.params.sharded_params)
+            self._registered_unsharded = False
 
     def _register_params(self) -> None:
         """Eager: registers on the modules the unsharded parameters while the group
@@ -464,7 +476,11 @@ class ParamGroup:
                 for other in self._list_groups:
                     if other._state is GroupState.LIST_FORWARD:
                         other._release_shared()
-        self._register_params()
+                        other._register_params()
+        if torch.compiler.is_compiling():
+            self._unregister_in_trace()
+        else:
+            self._register_params()
         if self.params.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.params.mp_policy.output_dtype)
         return output
