@@ -156,7 +156,15 @@ class SavedUnsharded:
                               {attr: tokens[attr] or inner[attr] for attr in attrs})
 
 
-def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
+def _unpack(saved: object) -> torch.Tensor:
+    # One function for every case: Dynamo inlines it once per saved tensor where it
+    # traces a backward, and a call per token would be a frame more each.
+    if isinstance(saved, _SavedSubclass):
+        inner = {attr: _unpack(value) for attr, value in saved.inner.items()}
+        return saved.cls.__tensor_unflatten__(inner, saved.flatten_context, saved.size,
+                                              saved.stride)
+    if not isinstance(saved, _SavedUnshardedView):
+        return saved
     regathered = saved.regathered
     if not torch.compiler.is_compiling():
         unsharded = regathered.group.pre_backward()
@@ -177,14 +185,3 @@ def _rebuild(saved: _SavedUnshardedView) -> torch.Tensor:
     # copy-out slices one buffer), so the view is rebuilt from its first element.
     # as_strided keeps the slice's storage offset, which Dynamo need not read.
     return base.view(-1)[saved.offset:].as_strided(saved.size, saved.stride)
-
-
-def _unpack(saved: object) -> torch.Tensor:
-    if isinstance(saved, _SavedUnshardedView):
-        return _rebuild(saved)
-    if isinstance(saved, _SavedSubclass):
-        inner = {attr: _rebuild(value) if isinstance(value, _SavedUnshardedView) else value
-                 for attr, value in saved.inner.items()}
-        return saved.cls.__tensor_unflatten__(inner, saved.flatten_context, saved.size,
-                                              saved.stride)
-    return saved
