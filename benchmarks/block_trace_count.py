@@ -89,9 +89,12 @@ def main() -> None:
     for name, n in block["inlined"].items():
         print(f"  {n:6g}  {name}")
     if args.json:
+        import torch
+
         from fsdp_traceable.cli.bench_output import provenance
 
-        report = {"dim": args.dim, "depths": [small, large], "per_block": block,
+        report = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+                  "dim": args.dim, "depths": [small, large], "per_block": block,
                   "provenance": provenance(ROOT)}
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
