@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..collectives import comm
 from ..profiler_labels import labelled, phase
+from ..tracing import is_tracing
 from . import activation_checkpointing, block_backward, group_all_gather
 from .autograd_bridge import unshard_params
 from .eager_phases import EagerPath
@@ -282,7 +283,10 @@ class ParamGroup:
         held = None if bound else self._eager_state.held_unsharded
         if not bound and held is None and not self._registered_unsharded:
             return  # sharded, and the sharded parameters registered: the common case
-        if comm.use_traced_path():  # compiled autograd's capture; collectives_path="traced"
+        if is_tracing():  # a proxy mode: compiled autograd's capture
+            # Not use_traced_path(): with collectives_path="traced" a call outside any
+            # trace runs this Python for real, so registering is right (and reading the
+            # config is most of this step's cost).
             return
         if bound:
             register_bound(params.bindings)
