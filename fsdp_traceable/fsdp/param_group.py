@@ -526,7 +526,8 @@ class ParamGroup:
         first saved tensor its backward unpacks), then prefetches per the group's order."""
         if self._eager_state.unsharded_for_backward is None:
             self._unshard_for_backward()
-            self._register_params()
+            if not torch.compiler.is_compiling():  # no frame for Dynamo to inline
+                self._register_params()
         return self._eager_state.unsharded_for_backward
 
     def param_in_backward(self, owner: nn.Module, name: str) -> torch.Tensor:
@@ -562,7 +563,8 @@ class ParamGroup:
         if self.settings.reshard_after_backward:
             with phase("reshard", self.name):
                 self._eager_state.drop_for_backward()
-            self._register_params()
+            if not torch.compiler.is_compiling():  # no frame for Dynamo to inline
+                self._register_params()
 
     @labelled("post_backward")
     def post_backward(
@@ -593,7 +595,8 @@ class ParamGroup:
         path = self._path()
         path.begin_post_backward()
         self._eager_state.end_backward(self.settings.reshard_after_backward)
-        self._register_params()
+        if not torch.compiler.is_compiling():  # no frame for Dynamo to inline
+            self._register_params()
         if not accumulated:
             accumulated = self._eager_state.take_accumulated_grads()
         grads = gradients_to_reduce(self.params, self.settings, unsharded_grads, accumulated)
