@@ -73,7 +73,8 @@ log = logging.getLogger(__name__)
 # step that left unsharded tensors registered (``unshard()``, a forward that keeps them)
 # reads the group's own sharded parameters (``autograd_bridge._module_params``) and, at
 # its end, registers them again (``_unregister_in_trace``: a side effect Dynamo replays
-# after the graph, traced only then; a traced backward changes nothing).
+# after the graph, traced only then); so does a backward compiled autograd traces after
+# an eager forward that kept them (``post_backward``).
 
 
 class ParamGroup:
@@ -595,7 +596,12 @@ class ParamGroup:
         path = self._path()
         path.begin_post_backward()
         self._eager_state.end_backward(self.settings.reshard_after_backward)
-        if not torch.compiler.is_compiling():  # no frame for Dynamo to inline
+        if torch.compiler.is_compiling():
+            # A compiled-autograd backward after an eager forward that kept them: the
+            # sharded parameters again, a side effect replayed after the graph (traced
+            # only where the flag was set when it traced).
+            self._unregister_in_trace()
+        else:
             self._register_params()
         if not accumulated:
             accumulated = self._eager_state.take_accumulated_grads()
