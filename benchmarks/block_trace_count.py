@@ -11,7 +11,8 @@ calls are Dynamo's ``InliningInstructionTranslator.inline_call_``, counted while
 backward runs (the blocks' forward compiles before it), and listed per inlined function
 where a block adds any. About a minute on one core.
 
-Run: ``python benchmarks/block_trace_count.py`` (``--json PATH`` also writes the counts).
+Run: ``python benchmarks/block_trace_count.py`` (prints the counts and writes them as JSON,
+``--out PATH`` or ``--publish``, as every benchmark script).
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 4])
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--json", help="also write the counts here")
-    args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+
+    add_output_arguments(parser, "block_trace_count.json")
+    args = parser.parse_args()
     small, large = (count(n, args.dim) for n in args.layers)
     block = per_block(small, large)
     for result in (small, large):
@@ -88,15 +91,15 @@ def main() -> None:
           f"{block['calls_captured']:g}, inlined calls {block['inlined_calls']:g}")
     for name, n in block["inlined"].items():
         print(f"  {n:6g}  {name}")
-    if args.json:
-        import torch
+    import torch
 
-        from fsdp_traceable.cli.bench_output import provenance
-
-        report = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
-                  "dim": args.dim, "depths": [small, large], "per_block": block,
-                  "provenance": provenance(ROOT)}
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    report = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+              "dim": args.dim, "depths": [small, large], "per_block": block,
+              "provenance": provenance(ROOT)}
+    path = output_path(args.out, args.publish, "block_trace_count.json", ROOT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
