@@ -151,7 +151,7 @@ def gloo_rank(one_gloo_rank: None) -> Iterator[None]:
 @pytest.mark.slow  # the first per-block compile: seconds to a minute
 def test_deleted_models_leave_nothing_behind(gloo_rank: None) -> None:
     growth: list[tuple[int, int]] = []
-    for iteration in range(5):
+    for iteration in range(4):
         if iteration == 1:
             # After a warm-up: lazy imports, Dynamo's and torch's caches, and the
             # process-wide entries keyed by class (one FSDP class per module class).
@@ -173,7 +173,7 @@ def test_deleted_models_leave_nothing_behind(gloo_rank: None) -> None:
     tracemalloc.stop()
     # A new model of the same architecture reuses the compiled code: no guard fails.
     assert _compiles() == compiles
-    # Iterations 2 to 4 each cost what iteration 1 did (Dynamo's cache entries, and
+    # Iterations 2 and 3 each cost what iteration 1 did (Dynamo's cache entries, and
     # fresh ids in torch's own counters): no more per iteration than a bounded slack.
     per_iteration = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(growth, growth[1:])]
     assert all(bytes_ < 64_000 and objects < 200 for bytes_, objects in per_iteration), (
