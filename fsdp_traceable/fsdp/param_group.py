@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 # a traced call registers nothing, so no graph changes. A traced forward after an eager
 # step that left unsharded tensors registered (``unshard()``, a forward that keeps them)
 # reads the group's own sharded parameters (``autograd_bridge._module_params``) and, at
-# its end, registers them again (``_unregister_in_trace``: a side effect Dynamo replays
+# its end, registers them again (``_register_sharded``: a side effect Dynamo replays
 # after the graph, traced only then); so does a backward compiled autograd traces after
 # an eager forward that kept them (``post_backward``).
 
@@ -209,9 +209,7 @@ class ParamGroup:
                 "parameters are unsharded (during forward, or after unshard()): replace it "
                 "between steps, after reshard()"
             )
-        if self._registered_unsharded:  # kept after a forward: dropped below
-            register_tensors(self.params.bindings, self.params.sharded_params)
-            self._registered_unsharded = False
+        self._register_sharded()  # those kept after a forward are dropped below
         self.params.replace(index, param, register)
         self._eager_state.reset()
 
@@ -264,12 +262,11 @@ class ParamGroup:
                                            or not self.params.is_bound):
             self.reshard()
 
-    def _unregister_in_trace(self) -> None:
-        """A traced forward's end: registers the sharded parameters again where an eager
-        ``unshard()`` (or a forward that kept them) registered unsharded ones, which
-        the traced forward used and freed. A side effect Dynamo replays after the graph,
-        traced only where the flag was set when it traced (see [Note: registered
-        parameters])."""
+    def _register_sharded(self) -> None:
+        """Registers the sharded parameters again where unsharded ones are registered.
+        Also a traced step's end after an eager ``unshard()`` (or a forward that kept
+        them): a side effect Dynamo replays after the graph, traced only where the flag
+        was set when it traced (see [Note: registered parameters])."""
         if self._registered_unsharded:
             register_tensors(self.params.bindings, self.params.sharded_params)
             self._registered_unsharded = False
@@ -296,8 +293,9 @@ class ParamGroup:
                 held = [params.bound_value(i, t) for i, t in enumerate(held)]
             register_tensors(params.bindings, held)
         else:
-            register_tensors(params.bindings, params.sharded_params)
-        self._registered_unsharded = held is not None or bound
+            self._register_sharded()
+            return
+        self._registered_unsharded = True
 
     def reset_iter_state(self) -> None:
         """Ends a ``fully_shard([a, b])`` forward pass left open and forgets no-sync
@@ -483,7 +481,7 @@ class ParamGroup:
                         other._release_shared()
                         other._register_params()
         if torch.compiler.is_compiling():
-            self._unregister_in_trace()
+            self._register_sharded()
         else:
             self._register_params()
         if self.params.mp_policy.output_dtype is not None:
@@ -600,7 +598,7 @@ class ParamGroup:
             # A compiled-autograd backward after an eager forward that kept them: the
             # sharded parameters again, a side effect replayed after the graph (traced
             # only where the flag was set when it traced).
-            self._unregister_in_trace()
+            self._register_sharded()
         else:
             self._register_params()
         if not accumulated:
