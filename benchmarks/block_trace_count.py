@@ -18,7 +18,6 @@ Run: ``python benchmarks/block_trace_count.py`` (prints the counts and writes th
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -78,7 +77,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 4])
     parser.add_argument("--dim", type=int, default=64)
     sys.path.insert(0, str(ROOT))
-    from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+    from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance, write_json
 
     add_output_arguments(parser, "block_trace_count.json")
     args = parser.parse_args()
@@ -97,9 +96,7 @@ def main() -> None:
               "dim": args.dim, "depths": [small, large], "per_block": block,
               "provenance": provenance(ROOT)}
     path = output_path(args.out, args.publish, "block_trace_count.json", ROOT)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(path, report)
 
 
 if __name__ == "__main__":

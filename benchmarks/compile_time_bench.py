@@ -277,7 +277,7 @@ def _error_summary(output: str) -> str:
 
 def main() -> None:
     # Here, not at the top: the parent process imports no more than it needs.
-    from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+    from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance, write_json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
@@ -352,9 +352,7 @@ def main() -> None:
         "provenance": provenance(ROOT),
     }
     out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(out, report)
     png = _plot(report, args.out)
     if png:
         print(f"wrote {png}")

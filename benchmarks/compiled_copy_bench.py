@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -32,7 +31,7 @@ import torch
 from torch.utils import benchmark
 
 import fsdp_traceable.collectives.ops as ops
-from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance, write_json
 from fsdp_traceable.sizes import flatten_sizes, padded_sharded_size
 
 WORLD_SIZE = 2
@@ -120,9 +119,7 @@ def main() -> None:
         "world_size": WORLD_SIZE, "rows": rows, "provenance": provenance(ROOT),
     }
     out = output_path(args.out, args.publish, "compiled_copy_bench.json", ROOT)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_json(out, result)
 
 
 if __name__ == "__main__":

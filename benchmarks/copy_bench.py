@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import pathlib
 import platform
@@ -39,7 +38,7 @@ import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (tor
 from torch.utils import benchmark
 
 import fsdp_traceable  # noqa: F401  (torch.ops.fsdp_traceable)
-from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance, write_json
 from fsdp_traceable.collectives import foreach_copies
 from fsdp_traceable.sizes import flatten_sizes, padded_sharded_size
 
@@ -300,9 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "provenance": provenance(ROOT),
     }
     out = output_path(args.out, args.publish, "copy_bench.json", ROOT)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(out, report)
     return 0
 
 

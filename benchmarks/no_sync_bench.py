@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 import fsdp_traceable
-from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance, write_json
 from fsdp_traceable.cli.launch import run_on_ranks
 from fsdp_traceable.cli.train import TrainArgs, batch_for, mp_policy_for
 from fsdp_traceable.models.transformer import Transformer, shard_transformer
@@ -175,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     report["provenance"] = provenance(ROOT)
     print(format_table(report))
     out = output_path(options.out, options.publish, "no_sync_bench.json", ROOT)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(out, report)
     return 0
 
 

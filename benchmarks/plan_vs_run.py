@@ -24,7 +24,7 @@ import json
 import sys
 from typing import Any
 
-from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance
+from fsdp_traceable.cli.bench_output import add_output_arguments, output_path, provenance, write_json
 
 
 def compare(plan: dict[str, Any], bench: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step ({step['gpu']}): planned {step['planned']:.1f} ms, measured "
               f"{step['measured']:.1f} ms ({step['ratio']:.2f}x)")
     path = output_path(args.out, args.publish, "plan_vs_run.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_json(path, report)
     return 0
 
 

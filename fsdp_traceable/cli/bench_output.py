@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import subprocess
 from pathlib import Path
 
@@ -63,3 +64,13 @@ def provenance(root: str | Path = ".") -> dict[str, str]:
         commit = "unknown"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {"commit": commit, "date": date}
+
+
+def write_json(path: str | Path, report: dict) -> Path:
+    """Writes ``report`` as indented JSON to ``path`` (its folder made if missing) and
+    says so on stdout; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
