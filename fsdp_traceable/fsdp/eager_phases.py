@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from ..collectives.reduce import PendingReduce
 from ..profiler_labels import labelled, phase
@@ -201,6 +202,32 @@ class EagerPath:
         hooks = self._group.root_state.saved_unsharded.hooks()
         hooks.__enter__()
         return hooks
+
+    def hook_backward_start(self, output: Any) -> None:
+        """Re-gathers at the start of the group's backward, as FSDP2's pre-backward.
+
+        [Note: the re-gather at the backward's start]
+        A group that reshards after forward re-gathers when its backward reads a
+        parameter (a saved token's unpack), but also where it reads none (a first
+        layer whose input needs no gradient, an embedding): FSDP2 all-gathers a
+        resharded group when the gradient of its forward's output arrives, whatever
+        its backward then reads, and ours issues the collectives it issues. So the
+        forward's outputs that require grad get a tensor hook that re-gathers; the
+        tokens then find the parameters gathered. A compiled-autograd backward traces
+        the hook to nothing: its graph gathers where a token is unpacked.
+        """
+        group = self._group
+        if (not group.params.sharded_params or not group.settings.reshard_after_forward
+                or not group.settings.unshard_in_backward or not torch.is_grad_enabled()
+                or in_backward()):
+            return
+        for tensor in pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._regather_at_backward_start)
+
+    def _regather_at_backward_start(self, grad: torch.Tensor) -> None:
+        if not torch.compiler.is_compiling():
+            self._group.pre_backward()
 
     def release(self, unsharded: tuple[torch.Tensor, ...], bound: bool) -> None:
         """After the forward: reshards, or keeps the parameters for backward."""

@@ -484,6 +484,7 @@ class ParamGroup:
             self._register_sharded()
         else:
             self._register_params()
+            self._path().hook_backward_start(output)
         if self.params.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.params.mp_policy.output_dtype)
         return output

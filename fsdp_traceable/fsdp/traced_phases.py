@@ -102,6 +102,9 @@ class TracedPath:
         """None: the graph saves what it recomputes (see :meth:`gather_for_forward`)."""
         return None
 
+    def hook_backward_start(self, output: Any) -> None:
+        """Nothing: the graph gathers where its backward reads a parameter."""
+
     def release(self, unsharded: tuple[torch.Tensor, ...], bound: bool) -> None:
         """After the forward: unbinds (the graph frees what it does not save)."""
         if bound:

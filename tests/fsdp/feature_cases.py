@@ -252,7 +252,15 @@ def assert_same_training(theirs: dict[str, Any], ours: dict[str, Any]) -> None:
 
 
 def grad_accumulation(rank: int, world_size: int) -> dict[str, Any]:
-    return train_both(seeded_transformer(), rank, world_size, microbatches=3)
+    """3 microbatches a step, every group (the root's embeddings too) resharding after
+    forward; counts each library's all-gathers."""
+    theirs, ours = shard_copies(seeded_transformer(), reshard_after_forward=True)
+    result: dict[str, Any] = {}
+    for name, model in (("theirs", theirs), ("ours", ours)):
+        with count_all_gathers() as gathers:
+            result[name] = train(model, rank, world_size, microbatches=3)
+        result[f"{name}_all_gathers"] = gathers[0]
+    return result
 
 
 NO_SYNC_POLICIES = {

@@ -72,6 +72,12 @@ def two_ranks(tmp_path_factory) -> list[dict[str, Any]]:
 def test_gradient_accumulation_over_microbatches_matches_fsdp2(two_ranks):
     for result in case_results(two_ranks, "grad_accumulation"):
         assert_same_training(result["theirs"], result["ours"])
+        # Each microbatch gathers every group in forward and again in backward, the
+        # root's embeddings too, whose backward reads no parameter (see [Note: the
+        # re-gather at the backward's start]).
+        steps, microbatches = 2, 3
+        assert result["theirs_all_gathers"] == steps * microbatches * 2 * N_GROUPS
+        assert result["ours_all_gathers"] == result["theirs_all_gathers"]
 
 
 @pytest.mark.gloo
