@@ -40,7 +40,6 @@ changed.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,6 +49,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.hooks import RemovableHandle
 
 from ..collectives import comm
+from .mixed_fully_shard import fsdp2_lazy_init_root, mixed_error
 from .module_hooks import InnerHooks
 
 if TYPE_CHECKING:
@@ -108,22 +108,6 @@ try:
     from torch.distributed._composable_state import _insert_module_state
 except ImportError:  # pragma: no cover - every supported torch has it
     _insert_module_state = None
-
-
-class MixedFullyShardError(RuntimeError):
-    """torch's ``fully_shard`` (FSDP2) applied to a module that encloses modules sharded by
-    ours: FSDP2's lazy init cannot drive them."""
-
-
-def _fsdp2_lazy_init_root() -> nn.Module | None:
-    """If FSDP2's lazy init (``FSDPState._lazy_init`` of a torch ``fully_shard`` root)
-    is what reads the state's attribute now: that root's module (else ``None``)."""
-    lazy_init = getattr(_TorchFSDPState, "_lazy_init", None)
-    frame = sys._getframe(3)  # the caller of the state's property
-    if lazy_init is None or frame.f_code is not lazy_init.__code__:
-        return None
-    modules = getattr(frame.f_locals.get("self"), "_modules", None)
-    return modules[0] if modules else None
 
 
 # Where each module's ModuleEntry lives (and so its state, also where this torch has no
@@ -250,23 +234,6 @@ def arm_shared_param_check(root: nn.Module) -> None:
     # nn.Module's own registration: FSDPModule's runs a hook between unshard and reshard.
     entry_of(root).shared_param_check = nn.Module.register_forward_pre_hook(
         root, raise_shared_param_error, prepend=True)
-
-
-def _mixed_error(torch_root: nn.Module | None, state: FSDPModuleState) -> MixedFullyShardError:
-    """The error of FSDP2's lazy init reaching our state: see [Note: torch's FSDPState
-    and ours]."""
-    module = state._modules[0]()
-    ours = type(module).__name__ if module is not None else "a module"
-    paths = [] if torch_root is None else [
-        path for path, m in torch_root.named_modules() if m is module]
-    ours = f"{paths[0]!r} ({ours})" if paths else ours
-    enclosing = f" on {type(torch_root).__name__}" if torch_root is not None else ""
-    return MixedFullyShardError(
-        f"torch's fully_shard (FSDP2){enclosing} encloses {ours}, which "
-        "fsdp_traceable's fully_shard sharded: FSDP2 cannot run modules sharded by "
-        "fsdp_traceable. Apply fsdp_traceable's fully_shard to the enclosing modules "
-        "too (from fsdp_traceable import fully_shard), not torch's"
-    )
 
 
 def replicated(module: nn.Module) -> bool:
@@ -403,9 +370,9 @@ class FSDPModuleState(_TorchFSDPState):
     def _refuse_fsdp2_lazy_init(self) -> None:
         """Raises :class:`MixedFullyShardError` where FSDP2's lazy init reads the state:
         see [Note: torch's FSDPState and ours]."""
-        torch_root = _fsdp2_lazy_init_root()
+        torch_root = fsdp2_lazy_init_root()
         if torch_root is not None:
-            raise _mixed_error(torch_root, self)
+            raise mixed_error(torch_root, self._modules[0]())
 
     @property
     def _is_root(self) -> bool:
@@ -414,7 +381,7 @@ class FSDPModuleState(_TorchFSDPState):
 
     @_is_root.setter
     def _is_root(self, value: bool | None) -> None:
-        raise _mixed_error(None, self)
+        raise mixed_error(None, self._modules[0]())
 
     @property
     def _modules_to_run_forward(self) -> set[nn.Module]:

@@ -23,7 +23,6 @@ import torch.nn as nn
 
 from ..collectives import comm
 from ..profiler_labels import labelled, phase
-from ..tracing import is_tracing
 from . import activation_checkpointing, block_backward, group_all_gather
 from .autograd_bridge import unshard_params
 from .eager_phases import EagerPath
@@ -33,10 +32,10 @@ from .forward_hooks import ForwardScope, cast_floats, prepare_inputs
 from .gradient_reduction import gradients_to_reduce, start_reduce
 from .group_settings import GroupSettings
 from .group_state import GroupState
+from .param_registration import ParamRegistration
 from .param_shards import ParamShards
 from .root_state import RootState
 from .traced_phases import TracedPath
-from .unsharded_binding import register_bound, register_tensors
 
 log = logging.getLogger(__name__)
 
@@ -50,31 +49,6 @@ log = logging.getLogger(__name__)
 # recomputed in backward, gradients returned through autograd). Both implement the same
 # steps; no phase branches on the path itself. Dynamo evaluates the choice while
 # tracing, so a graph holds the traced steps only.
-
-# [Note: registered parameters]
-# As FSDP2's (``FSDPParam.to_unsharded`` / ``to_sharded``), a group's modules register
-# (``module._parameters``: ``parameters()``, ``named_parameters()``, the attribute outside
-# forward) its unsharded parameters exactly while the group is unsharded, in eager mode:
-# from ``unshard()`` or the forward's all-gather to the forward's end
-# (``reshard_after_forward`` truthy) or to the backward's end (falsy: the root's default);
-# from the backward's re-gather to its end (or, with ``reshard_after_backward=False``,
-# to the next forward's end); and until ``reshard()``. Otherwise the sharded
-# ``nn.Parameter(DTensor)``s, which the optimizer holds. With ``reshard_after_forward=N``
-# the sharded DTensors are registered after forward (FSDP2 registers a DTensor over N
-# ranks: the same global shape and values). The registered unsharded tensor is the one
-# the attribute reads: during forward the group's all-gather output (not a leaf: its
-# gradient flows to the sharded parameter), outside forward a detached alias of it. It is
-# no ``nn.Parameter`` and never has a ``.grad`` (FSDP2's is a leaf whose ``.grad`` holds
-# the unsharded gradient until the reduce-scatter): gradients reach the sharded
-# parameters' ``.grad`` only. ``_register_params`` writes ``_parameters`` directly, past
-# the swapped-in ``register_parameter`` (a user's replacement); the swapped-in state-dict
-# methods reshard first, as FSDP2's state-dict pre-hooks do. Registration is an eager step:
-# a traced call registers nothing, so no graph changes. A traced forward after an eager
-# step that left unsharded tensors registered (``unshard()``, a forward that keeps them)
-# reads the group's own sharded parameters (``autograd_bridge._module_params``) and, at
-# its end, registers them again (``_register_sharded``: a side effect Dynamo replays
-# after the graph, traced only then); so does a backward compiled autograd traces after
-# an eager forward that kept them (``post_backward``).
 
 
 class ParamGroup:
@@ -119,9 +93,8 @@ class ParamGroup:
         # traced/eager seam]).
         self._eager_state = EagerState()
         self._eager_path = EagerPath(self, self._eager_state)
-        # Whether the modules register unsharded parameters now (see [Note: registered
-        # parameters]).
-        self._registered_unsharded = False
+        # What the modules register (see [Note: registered parameters]).
+        self._registration = ParamRegistration(params, self._eager_state)
         self._traced_path = TracedPath(self, self._eager_state)
 
     def _path(self) -> EagerPath | TracedPath:
@@ -209,7 +182,7 @@ class ParamGroup:
                 "parameters are unsharded (during forward, or after unshard()): replace it "
                 "between steps, after reshard()"
             )
-        self._register_sharded()  # those kept after a forward are dropped below
+        self._registration.register_sharded()  # those kept after a forward are dropped below
         self.params.replace(index, param, register)
         self._eager_state.reset()
 
@@ -241,7 +214,7 @@ class ParamGroup:
             unsharded = unshard_params(self, recompute_in_backward=False)
         self._set_state(GroupState.UNSHARDED, unsharded)
         self.params.bind(unsharded)
-        self._register_params()
+        self._registration.update()
 
     def reshard(self) -> None:
         """Frees the unsharded parameters: those :meth:`unshard` gathered, a prefetched
@@ -252,50 +225,15 @@ class ParamGroup:
         with phase("reshard", self.name):
             self._eager_path.finish_prefetch()
             self._eager_state.drop_unsharded()
-        self._register_params()
+        self._registration.update()
 
     def reshard_registered(self) -> None:
         """Before the modules' state dict is saved or loaded: reshards (:meth:`reshard`)
         if they register unsharded parameters that no forward is using, as FSDP2's
         state-dict pre-hooks do (see [Note: registered parameters])."""
-        if self._registered_unsharded and (self._state is GroupState.UNSHARDED
+        if self._registration.unsharded and (self._state is GroupState.UNSHARDED
                                            or not self.params.is_bound):
             self.reshard()
-
-    def _register_sharded(self) -> None:
-        """Registers the sharded parameters again where unsharded ones are registered.
-        Also a traced step's end after an eager ``unshard()`` (or a forward that kept
-        them): a side effect Dynamo replays after the graph, traced only where the flag
-        was set when it traced (see [Note: registered parameters])."""
-        if self._registered_unsharded:
-            register_tensors(self.params.bindings, self.params.sharded_params)
-            self._registered_unsharded = False
-
-    def _register_params(self) -> None:
-        """Eager: registers on the modules the unsharded parameters while the group
-        holds them, else the sharded ones (see [Note: registered parameters])."""
-        if torch.compiler.is_compiling():  # a constant to Dynamo: nothing traced here
-            return
-        params = self.params
-        bound = params.is_bound
-        held = None if bound else self._eager_state.held_unsharded
-        if not bound and held is None and not self._registered_unsharded:
-            return  # sharded, and the sharded parameters registered: the common case
-        if is_tracing():  # a proxy mode: compiled autograd's capture
-            # Not use_traced_path(): with collectives_path="traced" a call outside any
-            # trace runs this Python for real, so registering is right (and reading the
-            # config is most of this step's cost).
-            return
-        if bound:
-            register_bound(params.bindings)
-        elif held is not None:
-            if params.has_tp_params:
-                held = [params.bound_value(i, t) for i, t in enumerate(held)]
-            register_tensors(params.bindings, held)
-        else:
-            self._register_sharded()
-            return
-        self._registered_unsharded = True
 
     def reset_iter_state(self) -> None:
         """Ends a ``fully_shard([a, b])`` forward pass left open and forgets no-sync
@@ -304,7 +242,7 @@ class ParamGroup:
             self._release_shared()
         self._eager_state.keep_accumulated_grads(None)
         self._eager_state.keep_partial_reduce_output(None)
-        self._register_params()
+        self._registration.update()
 
     # -- gathering ----------------------------------------------------------------------
 
@@ -318,7 +256,7 @@ class ParamGroup:
         e.g. ``to_empty``, may have replaced them); forgets what eager kept of the old ones."""
         self.params.refresh()
         self._eager_state.reset()
-        self._registered_unsharded = False  # the module's _apply resharded first
+        self._registration.forget()  # the module's _apply resharded first
 
     def prefetch(self) -> None:
         """Eager: issues this group's all-gather now, to overlap the compute before it."""
@@ -436,7 +374,7 @@ class ParamGroup:
         if scope.bound:
             return scope
         self.params.bind(scope.unsharded)
-        self._register_params()
+        self._registration.update()
         return scope._replace(bound=True)
 
     def unbind_forward(self, scope: ForwardScope) -> ForwardScope:
@@ -448,7 +386,7 @@ class ParamGroup:
         if not scope.bound:
             return scope
         self.params.unbind()
-        self._register_params()
+        self._registration.update()
         return scope._replace(bound=False)
 
     @labelled("post_forward")
@@ -479,11 +417,11 @@ class ParamGroup:
                 for other in self._list_groups:
                     if other._state is GroupState.LIST_FORWARD:
                         other._release_shared()
-                        other._register_params()
+                        other._registration.update()
         if torch.compiler.is_compiling():
-            self._register_sharded()
+            self._registration.register_sharded()
         else:
-            self._register_params()
+            self._registration.update()
             self._path().hook_backward_start(output)
         if self.params.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.params.mp_policy.output_dtype)
@@ -499,7 +437,7 @@ class ParamGroup:
             self._release_shared()
         elif scope.unsharded is not None:
             self._release(scope.unsharded, scope.bound)
-        self._register_params()
+        self._registration.update()
 
     def _release_shared(self) -> None:
         """Ends a ``fully_shard([a, b])`` group's forward pass."""
@@ -527,7 +465,7 @@ class ParamGroup:
         if self._eager_state.unsharded_for_backward is None:
             self._unshard_for_backward()
             if not torch.compiler.is_compiling():  # no frame for Dynamo to inline
-                self._register_params()
+                self._registration.update()
         return self._eager_state.unsharded_for_backward
 
     def param_in_backward(self, owner: nn.Module, name: str) -> torch.Tensor:
@@ -564,7 +502,7 @@ class ParamGroup:
             with phase("reshard", self.name):
                 self._eager_state.drop_for_backward()
             if not torch.compiler.is_compiling():  # no frame for Dynamo to inline
-                self._register_params()
+                self._registration.update()
 
     @labelled("post_backward")
     def post_backward(
@@ -599,9 +537,9 @@ class ParamGroup:
             # A compiled-autograd backward after an eager forward that kept them: the
             # sharded parameters again, a side effect replayed after the graph (traced
             # only where the flag was set when it traced).
-            self._register_sharded()
+            self._registration.register_sharded()
         else:
-            self._register_params()
+            self._registration.update()
         if not accumulated:
             accumulated = self._eager_state.take_accumulated_grads()
         grads = gradients_to_reduce(self.params, self.settings, unsharded_grads, accumulated)
@@ -660,7 +598,7 @@ class ParamGroup:
             self.post_backward((None,) * len(self.params.sharded_params))
         elif self.settings.reshard_after_backward:
             self._eager_state.end_backward(reshard_after_backward=True)
-        self._register_params()
+        self._registration.update()
 
     def hide_post_accumulate_hooks(self) -> None:
         """After its backward: autograd must not run the parameters'

@@ -6,7 +6,7 @@ and which tensor the module registers (``module._parameters``) in eager mode.
 one property per such parameter (:func:`owner_class`); the property reads the module's
 ``_fsdp_unsharded`` dict first, which :func:`bind_unsharded` fills and
 :func:`unbind_unsharded` empties. :func:`register_tensors` and :func:`register_bound`
-write the registered parameters (see [Note: registered parameters] in param_group.py).
+write the registered parameters (see [Note: registered parameters] in param_registration.py).
 """
 
 from __future__ import annotations

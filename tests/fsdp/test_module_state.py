@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_traceable import fully_shard
-from fsdp_traceable.fsdp.module_state import MixedFullyShardError
+from fsdp_traceable.fsdp.mixed_fully_shard import MixedFullyShardError
 
 
 def _mlp() -> nn.Sequential:
