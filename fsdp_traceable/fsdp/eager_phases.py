@@ -29,6 +29,7 @@ from .eager_state import EagerState, Versions
 from .features.all_gather_extensions import PendingUnshard
 from .group_state import GroupState
 from .reduce_queue import GradientTarget
+from .saved_unsharded import Regathered
 
 if TYPE_CHECKING:
     from .root_state import RootState
@@ -72,6 +73,9 @@ class EagerPath:
         self._state = state
         # Whether a backward hid post-accumulate-grad hooks not yet restored.
         self._hooks_hidden = False
+        # The tokens of the group's latest resharding forward (see [Note: the re-gather
+        # at the backward's start]).
+        self._forward_tokens: Regathered | None = None
 
     @property
     def name(self) -> str:
@@ -185,7 +189,8 @@ class EagerPath:
                 if child.state is not GroupState.UNSHARDED:  # else unshard() gathered it
                     child.prefetch()
         if group.settings.reshard_after_forward:
-            group.root_state.saved_unsharded.register(group, list(unsharded))
+            self._forward_tokens = group.root_state.saved_unsharded.register(
+                group, list(unsharded))
         elif group.params.has_trainable:
             # Its backward reshards them, or keeps them for the next forward; until
             # then forwards reuse them, as FSDP2's unsharded group (after a no_grad
@@ -204,22 +209,28 @@ class EagerPath:
         return hooks
 
     def hook_backward_start(self, output: Any) -> None:
-        """Re-gathers at the start of the group's backward, as FSDP2's pre-backward.
+        """Re-gathers at the start of the group's backward, as FSDP2's pre-backward,
+        where no saved token will.
 
         [Note: the re-gather at the backward's start]
         A group that reshards after forward re-gathers when its backward reads a
-        parameter (a saved token's unpack), but also where it reads none (a first
-        layer whose input needs no gradient, an embedding): FSDP2 all-gathers a
-        resharded group when the gradient of its forward's output arrives, whatever
-        its backward then reads, and ours issues the collectives it issues. So the
-        forward's outputs that require grad get a tensor hook that re-gathers; the
-        tokens then find the parameters gathered. A compiled-autograd backward traces
-        the hook to nothing: its graph gathers where a token is unpacked.
+        parameter (a saved token's unpack). FSDP2 all-gathers a resharded group when
+        the gradient of its forward's output arrives, whatever its backward then
+        reads, and ours issues the collectives it issues: where the forward saved no
+        token (a first layer whose input needs no gradient, an embedding, a
+        checkpointed forward), the outputs that require grad get a tensor hook that
+        re-gathers. Where it saved one, the unpack re-gathers, once, as the hook would
+        have (a little later: at the first backward op that reads a parameter), and
+        compiled autograd, which traces every hook of a backward it captures, has no
+        hook to trace per block. A compiled-autograd backward traces the hook to
+        nothing: its graph gathers where a parameter is read.
         """
         group = self._group
         if (not group.params.sharded_params or not group.settings.reshard_after_forward
                 or not group.settings.unshard_in_backward or not torch.is_grad_enabled()
                 or in_backward()):
+            return
+        if self._forward_tokens is not None and self._forward_tokens.saved:
             return
         for tensor in pytree.tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

@@ -37,7 +37,7 @@ class RegatheringGroup(Protocol):
 _PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
-class _Regathered:
+class Regathered:
     """The parameters one group's tokens unpack to within one traced backward.
 
     [Note: a traced unpack asks its group once]
@@ -54,13 +54,16 @@ class _Regathered:
     def __init__(self, group: RegatheringGroup) -> None:
         self.group = group
         self.unsharded: list[torch.Tensor] | None = None
+        # Whether the forward saved a token of the group's (its backward then re-gathers
+        # at the first unpack).
+        self.saved = False
 
     def clear(self) -> None:
         self.unsharded = None
 
 
 class _SavedUnshardedView(NamedTuple):
-    regathered: _Regathered
+    regathered: Regathered
     index: int
     attr: str | None  # the inner tensor of a wrapper-subclass parameter, or None
     size: torch.Size
@@ -99,21 +102,26 @@ class SavedUnsharded:
     forward, and the saved-tensor hooks that swap them for tokens."""
 
     def __init__(self) -> None:
-        # storage key (_storage_key) -> (the group's _Regathered, parameter index, dtype,
+        # storage key (_storage_key) -> (the group's Regathered, parameter index, dtype,
         # inner attribute or None, storage offset) of every unsharded parameter (or inner
         # tensor of one) registered.
-        self._live: dict[int, tuple[_Regathered, int, torch.dtype, str | None, int]] = {}
+        self._live: dict[int, tuple[Regathered, int, torch.dtype, str | None, int]] = {}
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def register(self, group: RegatheringGroup, unsharded: list[torch.Tensor]) -> None:
-        """Saves of ``unsharded`` (``group``'s parameters, by index) become tokens."""
-        regathered = _Regathered(group)
+    def register(self, group: RegatheringGroup, unsharded: list[torch.Tensor]) -> Regathered:
+        """Saves of ``unsharded`` (``group``'s parameters, by index) become tokens.
+
+        Returns:
+            What the tokens unpack through; its ``saved`` says whether any was saved.
+        """
+        regathered = Regathered(group)
         for index, tensor in enumerate(unsharded):
             for attr, storage_tensor in _storage_tensors(tensor):
                 self._live[_storage_key(storage_tensor)] = (
                     regathered, index, storage_tensor.dtype, attr, storage_tensor.storage_offset())
+        return regathered
 
     def unregister(self, unsharded: list[torch.Tensor]) -> None:
         """Ends what :meth:`register` started (the forward that gathered them ended)."""
@@ -133,6 +141,7 @@ class SavedUnsharded:
         if entry is None or entry[2] != tensor.dtype or tensor.numel() == 0:
             return None
         regathered, index, _, attr, param_offset = entry
+        regathered.saved = True
         return _SavedUnshardedView(
             regathered, index, attr, tensor.size(), tensor.stride(),
             tensor.storage_offset() - param_offset
