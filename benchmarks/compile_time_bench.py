@@ -43,6 +43,10 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 keeps its precompiled headers: a new container on a kept cache directory.
 ``--cache-custom-autograd`` and ``--force-backward-lowering`` set the AOTAutograd cache
 options that decide whether a forward's cache entry is written (see their help).
+``--static-compiled-autograd`` captures compiled autograd's backward with static sizes
+(``compiled_autograd._enable(compiler, dynamic=False)``; torch's default makes every
+size it collects symbolic): no symbolic-shape reasoning in Dynamo, but a new input
+shape captures and compiles the backward again.
 
 Each result records the frames compiled, Dynamo's region traces and stamped-out copies,
 the seconds spent in Dynamo, AOTAutograd and Inductor (``compile_phases_s``), and two
@@ -91,7 +95,7 @@ def _compile_mode(config: str) -> str:
 
 
 def _child(config: str, layers: int, dim: int, steps: int,
-           force_backward_lowering: bool = False) -> dict:
+           force_backward_lowering: bool = False, static_compiled_autograd: bool = False) -> dict:
     """Runs ``config`` in this (fresh) process; returns its figures."""
     start = time.perf_counter()
     import contextlib
@@ -167,7 +171,8 @@ def _child(config: str, layers: int, dim: int, steps: int,
             compiler = torch.compile(backend=backward_backend, fullgraph=True)
 
             def backward_context():
-                return torch._dynamo.compiled_autograd._enable(compiler)
+                return torch._dynamo.compiled_autograd._enable(
+                    compiler, dynamic=not static_compiled_autograd)
 
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(0)
@@ -239,7 +244,7 @@ def _compile_phases(timings: dict[str, list[float]]) -> dict[str, float]:
 
 def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
          cache_custom_autograd: bool = False, force_backward_lowering: bool = False,
-         tmpdir: str | None = None) -> dict:
+         tmpdir: str | None = None, static_compiled_autograd: bool = False) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     if tmpdir is not None:
         env["TMPDIR"] = tmpdir
@@ -253,7 +258,8 @@ def _run(config: str, layers: int, dim: int, steps: int, cache_dir: str,
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, __file__, "--child", config, "--layers", str(layers), "--dim", str(dim),
-         "--steps", str(steps)] + (["--force-backward-lowering"] if force_backward_lowering else []),
+         "--steps", str(steps)] + (["--force-backward-lowering"] if force_backward_lowering else [])
+        + (["--static-compiled-autograd"] if static_compiled_autograd else []),
         env=env, capture_output=True, text=True,
     )
     wall = time.perf_counter() - start
@@ -294,6 +300,9 @@ def main() -> None:
                         help="make AOTAutograd compile each backward with its forward "
                              "(torch._functorch.config.force_non_lazy_backward_lowering), "
                              "so its cache entry is written under compiled autograd too")
+    parser.add_argument("--static-compiled-autograd", action="store_true",
+                        help="capture compiled autograd's backward with static sizes "
+                             "(dynamic=False; torch's default is dynamic)")
     add_output_arguments(parser, "compile_time_bench.json")
     parser.add_argument("--replot", action="store_true",
                         help="only redraw the plot from the JSON at --out")
@@ -305,7 +314,8 @@ def main() -> None:
         return
     if args.child:
         print("RESULT " + json.dumps(_child(args.child, args.layers[0], args.dim, args.steps,
-                                            args.force_backward_lowering)), flush=True)
+                                            args.force_backward_lowering,
+                                            args.static_compiled_autograd)), flush=True)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,7 +326,8 @@ def main() -> None:
                 cache_dir = os.path.join(tmp, f"{config}-{layers}")
                 row = {"config": config, "layers": layers, "dim": args.dim,
                        "cold": _run(config, layers, args.dim, args.steps, cache_dir,
-                                    args.cache_custom_autograd, args.force_backward_lowering)}
+                                    args.cache_custom_autograd, args.force_backward_lowering,
+                                    static_compiled_autograd=args.static_compiled_autograd)}
                 if args.warm and "error" not in row["cold"]:
                     warm_tmp = None
                     if args.warm_empty_tmpdir:
@@ -324,7 +335,7 @@ def main() -> None:
                         os.makedirs(warm_tmp)
                     row["warm"] = _run(config, layers, args.dim, args.steps, cache_dir,
                                        args.cache_custom_autograd, args.force_backward_lowering,
-                                       warm_tmp)
+                                       warm_tmp, args.static_compiled_autograd)
                 rows.append(row)
                 cold = row["cold"]
                 if "error" in cold:
