@@ -17,9 +17,12 @@ functions) probes as usual.
 
 ``vec_isa_ok`` does not answer for the sets' extensions (AVX-512 BF16, AMX FP16, and
 VNNI itself): Inductor still loads a test library for each in a child process. The
-saved outcome records them too; where the saving process found every one usable, the
-loading process answers those load checks yes (``_torch_patches.isa_load_checks_answered``)
-and checks, once the list is computed, that it found the same extensions.
+saved outcome records them too, and which of them the CPU has (torch checks an
+extension only where ``torch.cpu`` reports it: one the CPU lacks, AMX FP16 on a CPU
+with AMX BF16 only, is absent without any load). Where the saving process found every
+extension its CPU has usable, a loading process whose CPU has the same ones answers
+those load checks yes (``_torch_patches.isa_load_checks_answered``) and checks, once
+the list is computed, that it found the same extensions.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ def _advertised(cpu_vec_isa: Any) -> list[str]:
             if all(flag in flags for flag in str(isa).split())]
 
 
+def _cpu_extensions() -> dict[str, bool]:
+    """Per extension, whether this CPU has it (``torch.cpu``'s query of the same name,
+    which gates Inductor's check of it)."""
+    return {name: bool(getattr(torch.cpu, name)()) for name in _EXTENSIONS
+            if hasattr(torch.cpu, name)}
+
+
 def _extensions(isas: list[Any]) -> dict[str, dict[str, bool]]:
     """Per ISA, the extensions the probe found it has (what its objects record)."""
     return {str(isa): {name: bool(getattr(isa, name)) for name in _EXTENSIONS
@@ -83,7 +93,7 @@ def save_probe(path: pathlib.Path) -> bool:
         return False
     valid = cpu_vec_isa.valid_vec_isa_list()
     record = {"advertised": _advertised(cpu_vec_isa), "valid": [str(isa) for isa in valid],
-              "extensions": _extensions(valid)}
+              "extensions": _extensions(valid), "cpu_extensions": _cpu_extensions()}
     path.write_text(json.dumps(record))
     return True
 
@@ -107,9 +117,10 @@ def trust_saved_probe(path: pathlib.Path) -> bool:
     advertised = _advertised(cpu_vec_isa)
     if record.get("advertised") != advertised or record.get("valid") != advertised:
         return False
-    extensions = record.get("extensions")
-    all_usable = isinstance(extensions, dict) and all(
-        all(found.values()) for found in extensions.values())
+    extensions, cpu_has = record.get("extensions"), _cpu_extensions()
+    all_usable = (isinstance(extensions, dict) and record.get("cpu_extensions") == cpu_has
+                  and all(usable or not cpu_has.get(name, True)
+                          for found in extensions.values() for name, usable in found.items()))
     with (torch._inductor.config.patch({"cpp.vec_isa_ok": True}),
           _torch_patches.isa_load_checks_answered() if all_usable else contextlib.nullcontext()):
         isas = cpu_vec_isa.valid_vec_isa_list()

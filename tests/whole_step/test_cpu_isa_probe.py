@@ -60,18 +60,28 @@ def test_another_cpu_or_a_rejected_set_is_probed_again(probed) -> None:
     assert not cpu_isa_probe.trust_saved_probe(path.with_name("missing.json"))
 
 
-@pytest.mark.skipif(not _torch_patches.answer_isa_load_checks(),
-                    reason="this torch loads no ISA test library in a child process each time")
-def test_extensions_found_usable_are_not_loaded_again(
-        tmp_path: pathlib.Path, forgotten_cpu_isa_probe) -> None:
-    loads, forget = forgotten_cpu_isa_probe
-    valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # every load succeeds
+def _saved_probe(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """This process's probe (every load succeeding) saved, as a saving process does."""
+    valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
     if valid != cpu_isa_probe._advertised(cpu_vec_isa):
         pytest.skip("the probe rejected an instruction set this CPU advertises")
     path = tmp_path / "step.isa.json"
     assert cpu_isa_probe.save_probe(path)
     record = json.loads(path.read_text())
     assert record["extensions"] == cpu_isa_probe._extensions(cpu_vec_isa.valid_vec_isa_list())
+    return path, record
+
+
+_answers_loads = pytest.mark.skipif(
+    not _torch_patches.answer_isa_load_checks(),
+    reason="this torch loads no ISA test library in a child process each time")
+
+
+@_answers_loads
+def test_extensions_found_usable_are_not_loaded_again(
+        tmp_path: pathlib.Path, forgotten_cpu_isa_probe) -> None:
+    loads, forget = forgotten_cpu_isa_probe
+    path, record = _saved_probe(tmp_path)
     if not any(record["extensions"].values()):
         pytest.skip("no ISA extension to check on this CPU")
     # A new process on the same host: no load at all, the same extensions.
@@ -79,8 +89,32 @@ def test_extensions_found_usable_are_not_loaded_again(
     probed = len(loads)
     assert cpu_isa_probe.trust_saved_probe(path) and len(loads) == probed
     assert cpu_isa_probe._extensions(cpu_vec_isa.valid_vec_isa_list()) == record["extensions"]
-    # An extension the saving process could not use: every extension is loaded again.
+    # An extension the saving process could not use, or a saving CPU with other
+    # extensions: every extension is loaded again.
     unusable = {isa: dict.fromkeys(found, False) for isa, found in record["extensions"].items()}
-    path.write_text(json.dumps({**record, "extensions": unusable}))
+    other_cpu = {name: not has for name, has in record["cpu_extensions"].items()}
+    for changed in ({**record, "extensions": unusable}, {**record, "cpu_extensions": other_cpu}):
+        path.write_text(json.dumps(changed))
+        forget()
+        probed = len(loads)
+        assert cpu_isa_probe.trust_saved_probe(path) and len(loads) > probed
+
+
+@_answers_loads
+def test_an_extension_the_cpu_lacks_is_no_failed_load(
+        tmp_path: pathlib.Path, forgotten_cpu_isa_probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    # AVX-512 BF16 as on a CPU without it (as AMX FP16 on a CPU with AMX BF16 only):
+    # Inductor does not check it, the probe records it absent, and a loading process
+    # still loads nothing.
+    loads, forget = forgotten_cpu_isa_probe
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    path, record = _saved_probe(tmp_path)
+    if "avx512" not in record["valid"]:
+        pytest.skip("no AVX-512 on this CPU")
+    assert record["cpu_extensions"]["_is_avx512_bf16_supported"] is False
+    assert not any(found.get("_is_avx512_bf16_supported", False)
+                   for found in record["extensions"].values())
     forget()
-    assert cpu_isa_probe.trust_saved_probe(path) and len(loads) > probed
+    probed = len(loads)
+    assert cpu_isa_probe.trust_saved_probe(path) and len(loads) == probed
+    assert cpu_isa_probe._extensions(cpu_vec_isa.valid_vec_isa_list()) == record["extensions"]
