@@ -9,21 +9,17 @@ import sys
 
 import torch.nn as nn
 
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState as _TorchFSDPState
-except ImportError:  # pragma: no cover - every supported torch has it
-    _TorchFSDPState = object  # type: ignore[assignment,misc]
-
 
 class MixedFullyShardError(RuntimeError):
     """torch's ``fully_shard`` (FSDP2) applied to a module that encloses modules sharded by
     ours: FSDP2's lazy init cannot drive them."""
 
 
-def fsdp2_lazy_init_root() -> nn.Module | None:
-    """If FSDP2's lazy init (``FSDPState._lazy_init`` of a torch ``fully_shard`` root)
-    is what reads the state's attribute now: that root's module (else ``None``)."""
-    lazy_init = getattr(_TorchFSDPState, "_lazy_init", None)
+def fsdp2_lazy_init_root(torch_state: type) -> nn.Module | None:
+    """If FSDP2's lazy init (``torch_state._lazy_init``, torch's ``FSDPState``, of a torch
+    ``fully_shard`` root) is what reads the state's attribute now: that root's module
+    (else ``None``)."""
+    lazy_init = getattr(torch_state, "_lazy_init", None)
     frame = sys._getframe(3)  # the caller of the state's property
     if lazy_init is None or frame.f_code is not lazy_init.__code__:
         return None

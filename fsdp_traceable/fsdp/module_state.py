@@ -370,7 +370,7 @@ class FSDPModuleState(_TorchFSDPState):
     def _refuse_fsdp2_lazy_init(self) -> None:
         """Raises :class:`MixedFullyShardError` where FSDP2's lazy init reads the state:
         see [Note: torch's FSDPState and ours]."""
-        torch_root = fsdp2_lazy_init_root()
+        torch_root = fsdp2_lazy_init_root(_TorchFSDPState)
         if torch_root is not None:
             raise mixed_error(torch_root, self._modules[0]())
 
