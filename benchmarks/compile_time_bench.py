@@ -12,6 +12,12 @@ A step is forward + loss, backward, optimizer step (SGD). Configurations:
 * ``ours-blocks``: fsdp_traceable, ``block.compile(fullgraph=True)`` per block as
   torchtitan does, backward under compiled autograd (Inductor), each block's backward
   one call of a shared region (``fsdp_traceable.backward_regions``);
+* ``ours-blocks-traced``: fsdp_traceable, each block wrapped by
+  ``torch.compile(block, fullgraph=True)`` after ``fully_shard`` (an ``OptimizedModule``,
+  which traces its group's collectives into the block's graph), backward under compiled
+  autograd: each block's collectives come from its AOT backward (outlined, the
+  collectives outside the shared region), not from tracing the eager hooks around a
+  compute-only graph; no eager prefetch between blocks;
 * ``ours-blocks-pasted``: the same with ``config.backward_regions = False``: compiled
   autograd pastes every block's backward node by node, as torch does;
 * ``ours-blocks-aot``: the same without compiled autograd (each block's AOTAutograd
@@ -49,7 +55,10 @@ size it collects symbolic): no symbolic-shape reasoning in Dynamo, but a new inp
 shape captures and compiles the backward again.
 
 Each result records the frames compiled, Dynamo's region traces and stamped-out copies,
-the seconds spent in Dynamo, AOTAutograd and Inductor (``compile_phases_s``), and two
+the seconds spent in Dynamo, AOTAutograd and Inductor (``compile_phases_s``), per graph
+(each frame's compile in the first step and its backend's share, in order: for per-block
+compile the blocks' one forward graph, then compiled autograd's backward graph), the
+first backward outside those compiles (compiled autograd's capture), and two
 counts a loaded machine does not change: the calls Dynamo put into graphs
 (``calls_captured``) and, with compiled autograd, the nodes of the backward graph Dynamo
 hands Inductor (``compiled_autograd_graph_nodes``; per-block compile adds a fixed number
@@ -78,9 +87,10 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-pasted", "ours-blocks-aot", "ours-step",
-           "ours-step-regions", "ours-step-saved", "ours-step-saved-header", "unsharded-whole",
-           "unsharded-step", "fsdp2-blocks", "unsharded-regions")
+CONFIGS = ("ours-whole", "ours-blocks", "ours-blocks-traced", "ours-blocks-pasted",
+           "ours-blocks-aot", "ours-step", "ours-step-regions", "ours-step-saved",
+           "ours-step-saved-header", "unsharded-whole", "unsharded-step", "fsdp2-blocks",
+           "unsharded-regions")
 
 
 def _compile_mode(config: str) -> str:
@@ -158,13 +168,16 @@ def _child(config: str, layers: int, dim: int, steps: int,
             loss_fn = fsdp_traceable.compile_step(forward_backward, cache_dir=cache_dir)
         elif mode == "whole":
             loss_fn = torch.compile(model.loss, fullgraph=True)
+        elif config == "ours-blocks-traced":
+            for index, block in enumerate(model.layers):
+                model.layers[index] = torch.compile(block, fullgraph=True)
         else:
             for block in model.layers:
                 block.compile(fullgraph=config.startswith("ours"))
         backward_context = contextlib.nullcontext
         backward_backend = None
-        if config in ("ours-whole", "ours-blocks", "ours-blocks-pasted", "unsharded-whole",
-                      "unsharded-regions"):
+        if config in ("ours-whole", "ours-blocks", "ours-blocks-traced", "ours-blocks-pasted",
+                      "unsharded-whole", "unsharded-regions"):
             # Counting what Dynamo hands Inductor: compiled autograd's graph, whose nodes
             # grow with depth (each block's collectives, region call and gradients).
             backward_backend = CompileCounterWithBackend("inductor")
@@ -178,15 +191,23 @@ def _child(config: str, layers: int, dim: int, steps: int,
         generator = torch.Generator().manual_seed(0)
 
         forward_s: list[float] = []
+        backward_s: list[float] = []
+        # Frames compiled by the end of the first forward: those after it compiled
+        # during the first backward (compiled autograd's graph, lazy backwards).
+        compiles_by_first_forward: list[int] = []
+        timings = torch._dynamo.utils.compilation_time_metrics
 
         def step() -> float:
             tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=generator)
             t0 = time.perf_counter()
             loss = loss_fn(tokens, torch.roll(tokens, 1, dims=1))
             forward_s.append(time.perf_counter() - t0)
+            compiles_by_first_forward.append(len(timings.get("_compile.compile_inner", [])))
+            t1 = time.perf_counter()
             if mode != "step":  # (a whole step ran backward already)
                 with backward_context():
                     loss.backward()
+            backward_s.append(time.perf_counter() - t1)
             optimizer.step()
             optimizer.zero_grad()
             return time.perf_counter() - t0
@@ -194,17 +215,27 @@ def _child(config: str, layers: int, dim: int, steps: int,
         with track_compiles() as record:
             first = step()
             to_first_step_end = time.perf_counter() - start
+            first_step_compiles = list(timings.get("_compile.compile_inner", []))
+            first_step_backends = list(timings.get("OutputGraph.call_user_compiler", []))
             step()  # warm-up of lazy state
             steady = statistics.median(step() for _ in range(steps))
         # Dynamo's traces and stamped-out copies of nested compile regions (read here:
         # leaving the fake group resets Dynamo, which clears its timings).
-        timings = torch._dynamo.utils.compilation_time_metrics
         region_traces = {name: len(timings.get(name, []))
                          for name in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out")}
         compile_phases = _compile_phases(timings)
+        backward_compiles = first_step_compiles[compiles_by_first_forward[0]:]
     return {
         "first_step_s": first,
         "first_forward_s": forward_s[0],
+        "first_backward_s": backward_s[0],
+        # Each frame's compile in the first step, in order (Dynamo's own timing), and
+        # the backend's (AOTAutograd + Inductor) share of each frame that has a graph.
+        "first_step_frame_compiles_s": [round(t, 2) for t in first_step_compiles],
+        "first_step_frame_backends_s": [round(t, 2) for t in first_step_backends],
+        # The first backward less the frames it compiled: with compiled autograd, its
+        # capture of the autograd graph (and the backward's eager run).
+        "first_backward_outside_compiles_s": round(backward_s[0] - sum(backward_compiles), 2),
         "steady_step_s": steady,
         "import_s": import_s,
         "process_to_first_step_end_s": to_first_step_end,
