@@ -9,7 +9,11 @@ with Dynamo alone (the ``eager`` backend: what Dynamo traces does not depend on 
 backend). A block's share is the difference between the two depths, halved. Inlined
 calls are Dynamo's ``InliningInstructionTranslator.inline_call_``, counted while the
 backward runs (the blocks' forward compiles before it), and listed per inlined function
-where a block adds any. About a minute on one core.
+where a block adds any. Also timed (wall seconds, which load moves; compare within a
+run): the backward (compiled autograd's capture and Dynamo's trace) and, within it,
+Dynamo's time in each outermost inlined call by function (compiled autograd's
+``call_hook``, ``call_backward``, ...: the eager hooks' share, everything they inline
+included). About a minute on one core.
 
 Run: ``python benchmarks/block_trace_count.py`` (prints the counts and writes them as JSON,
 ``--out PATH`` or ``--publish``, as every benchmark script).
@@ -20,6 +24,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import time
+from collections import Counter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,13 +54,18 @@ def count(n_layers: int, dim: int) -> dict:
                                generator=torch.Generator().manual_seed(1))
         loss = model.loss(tokens, torch.roll(tokens, 1, dims=1))
         captured_before = counters["stats"].get("calls_captured", 0)
-        with count_inlined_calls() as inlined, torch._dynamo.compiled_autograd._enable(compiler):
+        outermost: Counter[str] = Counter()
+        start = time.perf_counter()
+        with (count_inlined_calls(outermost) as inlined,
+              torch._dynamo.compiled_autograd._enable(compiler)):
             loss.backward()
+        backward_s = time.perf_counter() - start
         captured = counters["stats"].get("calls_captured", 0) - captured_before
         (graph,) = backend.graphs
         nodes = len(graph.graph.nodes)
     return {"layers": n_layers, "graph_nodes": nodes, "calls_captured": captured,
-            "inlined_calls": sum(inlined.values()), "inlined": dict(inlined)}
+            "inlined_calls": sum(inlined.values()), "inlined": dict(inlined),
+            "backward_s": backward_s, "outermost_inlined_s": dict(outermost)}
 
 
 def per_block(small: dict, large: dict) -> dict:
@@ -63,7 +74,14 @@ def per_block(small: dict, large: dict) -> dict:
     by_function = {
         name: (large["inlined"].get(name, 0) - small["inlined"].get(name, 0)) / blocks
         for name in set(small["inlined"]) | set(large["inlined"])}
+    seconds = {
+        name: (large["outermost_inlined_s"].get(name, 0.0)
+               - small["outermost_inlined_s"].get(name, 0.0)) / blocks
+        for name in set(small["outermost_inlined_s"]) | set(large["outermost_inlined_s"])}
     return {
+        "backward_s": (large["backward_s"] - small["backward_s"]) / blocks,
+        "outermost_inlined_s": dict(sorted(((k, round(v, 4)) for k, v in seconds.items()
+                                            if v > 0.0005), key=lambda item: -item[1])),
         "graph_nodes": (large["graph_nodes"] - small["graph_nodes"]) / blocks,
         "calls_captured": (large["calls_captured"] - small["calls_captured"]) / blocks,
         "inlined_calls": (large["inlined_calls"] - small["inlined_calls"]) / blocks,
@@ -90,6 +108,10 @@ def main() -> None:
           f"{block['calls_captured']:g}, inlined calls {block['inlined_calls']:g}")
     for name, n in block["inlined"].items():
         print(f"  {n:6g}  {name}")
+    print(f"per block: backward {block['backward_s']:.3f} s (capture and Dynamo; wall time, "
+          "moves with load), of which in the outermost inlined calls:")
+    for name, seconds in block["outermost_inlined_s"].items():
+        print(f"  {seconds:.4f} s  {name}")
     import torch
 
     report = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
