@@ -71,20 +71,22 @@ def count(n_layers: int, dim: int) -> dict:
 def per_block(small: dict, large: dict) -> dict:
     """What one block adds, from the counts at two depths."""
     blocks = large["layers"] - small["layers"]
-    by_function = {
-        name: (large["inlined"].get(name, 0) - small["inlined"].get(name, 0)) / blocks
-        for name in set(small["inlined"]) | set(large["inlined"])}
-    seconds = {
-        name: (large["outermost_inlined_s"].get(name, 0.0)
-               - small["outermost_inlined_s"].get(name, 0.0)) / blocks
-        for name in set(small["outermost_inlined_s"]) | set(large["outermost_inlined_s"])}
+
+    def share(key: str) -> float:
+        return (large[key] - small[key]) / blocks
+
+    def share_by_name(key: str) -> dict[str, float]:
+        return {name: (large[key].get(name, 0) - small[key].get(name, 0)) / blocks
+                for name in set(small[key]) | set(large[key])}
+
+    by_function, seconds = share_by_name("inlined"), share_by_name("outermost_inlined_s")
     return {
-        "backward_s": (large["backward_s"] - small["backward_s"]) / blocks,
+        "backward_s": share("backward_s"),
         "outermost_inlined_s": dict(sorted(((k, round(v, 4)) for k, v in seconds.items()
                                             if v > 0.0005), key=lambda item: -item[1])),
-        "graph_nodes": (large["graph_nodes"] - small["graph_nodes"]) / blocks,
-        "calls_captured": (large["calls_captured"] - small["calls_captured"]) / blocks,
-        "inlined_calls": (large["inlined_calls"] - small["inlined_calls"]) / blocks,
+        "graph_nodes": share("graph_nodes"),
+        "calls_captured": share("calls_captured"),
+        "inlined_calls": share("inlined_calls"),
         "inlined": dict(sorted(((k, v) for k, v in by_function.items() if v),
                                key=lambda item: (-item[1], item[0]))),
     }

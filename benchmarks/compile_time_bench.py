@@ -192,9 +192,10 @@ def _child(config: str, layers: int, dim: int, steps: int,
 
         forward_s: list[float] = []
         backward_s: list[float] = []
-        # Frames compiled by the end of the first forward: those after it compiled
-        # during the first backward (compiled autograd's graph, lazy backwards).
-        compiles_by_first_forward: list[int] = []
+        # Per step, the frames compiled by the end of its forward: in the first step,
+        # those after it compiled during the backward (compiled autograd's graph, lazy
+        # backwards).
+        compiles_after_forward: list[int] = []
         timings = torch._dynamo.utils.compilation_time_metrics
 
         def step() -> float:
@@ -202,7 +203,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
             t0 = time.perf_counter()
             loss = loss_fn(tokens, torch.roll(tokens, 1, dims=1))
             forward_s.append(time.perf_counter() - t0)
-            compiles_by_first_forward.append(len(timings.get("_compile.compile_inner", [])))
+            compiles_after_forward.append(len(timings.get("_compile.compile_inner", [])))
             t1 = time.perf_counter()
             if mode != "step":  # (a whole step ran backward already)
                 with backward_context():
@@ -224,7 +225,7 @@ def _child(config: str, layers: int, dim: int, steps: int,
         region_traces = {name: len(timings.get(name, []))
                          for name in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out")}
         compile_phases = _compile_phases(timings)
-        backward_compiles = first_step_compiles[compiles_by_first_forward[0]:]
+        backward_compiles = first_step_compiles[compiles_after_forward[0]:]
     return {
         "first_step_s": first,
         "first_forward_s": forward_s[0],
